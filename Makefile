@@ -1,0 +1,50 @@
+# Two entry points: `make serve` and `make test`. Everything they need is installed here.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test stress chromium model bench clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(VENV)/bin/python
+	$(PIP) install --upgrade pip
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[dev]'
+	touch $(STAMP)
+
+model: $(STAMP)
+	$(VENV)/bin/chatcore model fetch
+
+chromium:
+	@if ! command -v chromium >/dev/null 2>&1; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update && $$SUDO apt-get install -y --no-install-recommends chromium; \
+	fi
+
+setup: $(STAMP) model
+
+serve: setup
+	$(VENV)/bin/chatcore migrate
+	$(VENV)/bin/chatcore serve
+
+test: setup chromium
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing on purpose"; exit 1; fi; \
+	exit $$rc
+
+stress: setup
+	@CHATCORE_STRESS=1 $(PY) -m pytest -m stress $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no stress tests: failing on purpose"; exit 1; fi; \
+	exit $$rc
+
+bench: setup
+	$(VENV)/bin/chatcore bench --suite all
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

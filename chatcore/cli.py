@@ -1,0 +1,131 @@
+"""The `chatcore` command line. Each subcommand imports its module lazily, so `--help` stays fast.
+
+Flags whose `dest` matches a `Settings` field override the environment (`CHATCORE_*`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from chatcore.config import Settings, load_settings
+
+Handler = Callable[[argparse.Namespace, Settings], int]
+
+
+def _model_fetch(args: argparse.Namespace, settings: Settings) -> int:
+    from chatcore.models.fetch import fetch_default_model
+
+    path, converted = fetch_default_model(settings.cache_dir)
+    print(f"default model {'converted to' if converted else 'already at'} {path}")
+    return 0
+
+
+def _generate(args: argparse.Namespace, settings: Settings) -> int:
+    from chatcore.engine.generate_cli import run_generate
+
+    return run_generate(args, settings)
+
+
+def _migrate(args: argparse.Namespace, settings: Settings) -> int:
+    from chatcore.store.commands import migrate_command
+
+    return migrate_command(settings)
+
+
+def _keys_create(args: argparse.Namespace, settings: Settings) -> int:
+    from chatcore.store.commands import keys_create_command
+
+    return keys_create_command(settings, tenant=args.tenant, admin=args.admin)
+
+
+def _serve(args: argparse.Namespace, settings: Settings) -> int:
+    from chatcore.server.run import serve_command
+
+    return serve_command(settings)
+
+
+def _bench(args: argparse.Namespace, settings: Settings) -> int:
+    from bench.cli import bench_command
+
+    return bench_command(args, settings)
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="a local Hugging Face folder, or 'default' (CHATCORE_MODEL)")
+    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--block-size", dest="block_size", type=int, default=None)
+    parser.add_argument("--kv-cache-gb", dest="kv_cache_gb", type=float, default=None)
+    parser.add_argument("--num-blocks", dest="num_blocks", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (0: torch's default)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="chatcore", description="A multi-session chat server with a paged KV cache.")
+    parser.add_argument("--cache-dir", dest="cache_dir", default=None, help="converted models (CHATCORE_CACHE_DIR)")
+    parser.add_argument("--data-dir", dest="data_dir", default=None, help="database and disk tier (CHATCORE_DATA_DIR)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="manage models")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    model_sub.add_parser("fetch", help="install and convert the default model (idempotent)").set_defaults(
+        handler=_model_fetch
+    )
+
+    gen = sub.add_parser("generate", help="generate a chat answer in-process")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--system", default=None)
+    gen.add_argument("--max-tokens", dest="max_tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", dest="top_p", type=float, default=1.0)
+    gen.add_argument("--top-k", dest="top_k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--n", type=int, default=1)
+    gen.add_argument("--beam-width", dest="beam_width", type=int, default=1)
+    gen.add_argument("--json", dest="as_json", action="store_true", help="print one JSON object")
+    _add_engine_flags(gen)
+    gen.set_defaults(handler=_generate)
+
+    mig = sub.add_parser("migrate", help="upgrade the database to the newest schema")
+    mig.add_argument("--database-url", dest="database_url", default=None)
+    mig.set_defaults(handler=_migrate)
+
+    keys = sub.add_parser("keys", help="manage API keys")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    create = keys_sub.add_parser("create", help="create an API key and print it once")
+    create.add_argument("--tenant", required=True)
+    create.add_argument("--admin", action="store_true", help="the key may read /v1/admin/*")
+    create.add_argument("--database-url", dest="database_url", default=None)
+    create.set_defaults(handler=_keys_create)
+
+    serve = sub.add_parser("serve", help="serve the UI, the WebSocket API and the OpenAI-compatible API")
+    serve.add_argument("--host", default=None)
+    serve.add_argument("--port", type=int, default=None)
+    serve.add_argument("--database-url", dest="database_url", default=None)
+    _add_engine_flags(serve)
+    serve.set_defaults(handler=_serve)
+
+    bench = sub.add_parser("bench", help="run the benchmarks against their baselines")
+    bench.add_argument("--suite", default="all")
+    bench.add_argument("--quick", action="store_true")
+    bench.add_argument("--out", default="bench/results")
+    _add_engine_flags(bench)
+    bench.set_defaults(handler=_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    overrides = {key: getattr(args, key, None) for key in Settings.model_fields}
+    try:
+        settings = load_settings(**overrides)
+    except ValueError as exc:
+        parser.error(str(exc))
+    handler: Handler = args.handler
+    return handler(args, settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The one settings object. Every field reads `CHATCORE_<NAME>` from the environment.
+
+CLI flags override the environment through `Settings.model_copy(update=...)`.
+Defaults work on a laptop: loopback only, SQLite in the user's data directory,
+a 1 GiB KV pool.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL = "default"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CHATCORE_", extra="ignore")
+
+    # Network.
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    # Model and compute.
+    model: str = DEFAULT_MODEL
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    threads: int = Field(0, description="torch threads; 0 keeps torch's default")
+
+    # KV cache.
+    block_size: int = Field(16, ge=1)
+    kv_cache_gb: float = Field(1.0, gt=0)
+    num_blocks: int | None = Field(None, ge=1, description="overrides kv_cache_gb")
+    low_watermark: float = Field(0.15, ge=0, lt=1)
+    high_watermark: float = Field(0.30, ge=0, lt=1)
+    cache_scope: Literal["global", "tenant"] = "global"
+    debug_audit: bool = False
+
+    # Scheduler.
+    max_batch_tokens: int = Field(512, ge=16, description="tokens per engine step")
+    max_num_seqs: int = Field(64, ge=1)
+    max_queue_wait_s: float = Field(30.0, gt=0)
+
+    # Paths.
+    cache_dir: Path = Path("~/.cache/chatcore")
+    data_dir: Path = Path("~/.local/share/chatcore")
+    database_url: str | None = None
+    kv_disk_dir: Path | None = None
+    kv_disk_gb: float = Field(2.0, ge=0)
+
+    # Sessions.
+    hot_window_s: float = Field(30.0, ge=0)
+    max_hot_sessions: int = Field(256, ge=1)
+    warm_idle_s: float = Field(600.0, ge=0)
+    disconnect_grace_s: float = Field(30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _expand(self) -> "Settings":
+        self.cache_dir = self.cache_dir.expanduser()
+        self.data_dir = self.data_dir.expanduser()
+        if self.kv_disk_dir is not None:
+            self.kv_disk_dir = self.kv_disk_dir.expanduser()
+        if self.high_watermark < self.low_watermark:
+            raise ValueError("high_watermark must be >= low_watermark")
+        return self
+
+    @property
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite+aiosqlite:///{self.data_dir / 'chatcore.db'}"
+
+    @property
+    def resolved_kv_disk_dir(self) -> Path:
+        return self.kv_disk_dir if self.kv_disk_dir is not None else self.data_dir / "kv"
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Settings from the environment, with explicit (CLI) overrides that are not None."""
+    base = Settings()
+    update = {k: v for k, v in overrides.items() if v is not None}
+    return Settings(**{**base.model_dump(), **update}) if update else base
