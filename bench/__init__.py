@@ -1,0 +1,1 @@
+"""Benchmarks: chatcore against its baselines, measured in the same run."""
