@@ -1,0 +1,28 @@
+"""Block bookkeeping for the paged KV cache: pure Python, no torch.
+
+Public API:
+* `BlockPool`: blocks, refcounts (`inc_ref`/`dec_ref`), free queue, LRU, watermarks, grow/shrink.
+* `BlockTable`: a sequence's blocks; `append_slots`, `fork`, copy-on-write, `commit`, `release`.
+* `cache_salt`, `hash_block`, `chain_hashes`, `longest_prefix`: content hashing and lookup.
+* `audit` / `AuditReport`: the invariant check and leak report.
+"""
+
+from chatcore.cache.audit import AuditReport, audit
+from chatcore.cache.errors import CacheError, NoFreeBlocks
+from chatcore.cache.pool import BlockPool
+from chatcore.cache.prefix import HASH_BYTES, cache_salt, chain_hashes, hash_block, longest_prefix
+from chatcore.cache.table import BlockTable
+
+__all__ = [
+    "HASH_BYTES",
+    "AuditReport",
+    "BlockPool",
+    "BlockTable",
+    "CacheError",
+    "NoFreeBlocks",
+    "audit",
+    "cache_salt",
+    "chain_hashes",
+    "hash_block",
+    "longest_prefix",
+]
