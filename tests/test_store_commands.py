@@ -1,0 +1,49 @@
+"""`chatcore migrate` and `chatcore keys create`, run as real processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from chatcore.store.commands import masked_url
+from chatcore.store.db import create_engine, create_sessionmaker
+from chatcore.store.repos import ApiKeyRepo
+from test_store_support import sqlite_url
+
+
+def _chatcore(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "CHATCORE_DATABASE_URL"}
+    env["CHATCORE_DATA_DIR"] = str(data_dir)
+    result = subprocess.run([sys.executable, "-m", "chatcore.cli", *args], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_migrate_creates_the_database(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    result = _chatcore(data_dir, "migrate")
+    assert (data_dir / "chatcore.db").is_file()
+    assert str(data_dir / "chatcore.db") in result.stdout
+    _chatcore(data_dir, "migrate")  # idempotent
+
+
+async def test_keys_create_prints_a_working_key_once(tmp_path: Path) -> None:
+    result = _chatcore(tmp_path, "keys", "create", "--tenant", "t", "--admin")
+    key = result.stdout.strip()
+    assert result.stdout == key + "\n" and key.startswith("cc_")
+    assert "only once" in result.stderr
+
+    engine = create_engine(sqlite_url(tmp_path))
+    try:
+        async with create_sessionmaker(engine)() as db:
+            found = await ApiKeyRepo(db).authenticate(key)
+    finally:
+        await engine.dispose()
+    assert found is not None and found[0].name == "t" and found[1] is True
+
+
+def test_masked_url_hides_passwords() -> None:
+    masked = masked_url("postgresql+asyncpg://chat:s3cret@db.example/chatcore")
+    assert "s3cret" not in masked and "chat:***@db.example" in masked
