@@ -1,0 +1,295 @@
+"""The synchronous engine: schedule, run one forward pass, sample, stream, release.
+
+Only the thread that calls `step()` touches the block pool, the tables and the KV tensors.
+Every exit path of a request (stop, length, abort, busy, error) goes through `_finish`, which
+releases all of its tables through the scheduler; a request may keep its best table for the
+session that owns it (`keep_table`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+
+import torch
+
+from chatcore.cache import BlockPool, CacheError, audit, cache_salt
+from chatcore.config import Settings
+from chatcore.engine.beam import BeamSearch
+from chatcore.engine.detok import IncrementalDetokenizer
+from chatcore.engine.outputs import CompletedSeq, RequestOutput, SeqDelta, Timings, Usage
+from chatcore.engine.request import FinishReason, Request, SamplingParams, Sequence
+from chatcore.engine.runner import ModelRunner
+from chatcore.engine.sampler import make_generator, sample_rows
+from chatcore.engine.scheduler import ScheduledSeq, Scheduler, StepPlan
+from chatcore.kv.tensors import KVTensors
+from chatcore.models.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+def pool_size(settings: Settings, loaded: LoadedModel) -> int:
+    if settings.num_blocks is not None:
+        return settings.num_blocks
+    per_block = KVTensors.bytes_per_block(loaded.num_layers, settings.block_size, loaded.num_kv_heads,
+                                          loaded.head_dim, loaded.dtype)
+    return max(16, int(settings.kv_cache_gb * (1 << 30)) // per_block)
+
+
+class EngineCore:
+    def __init__(self, loaded: LoadedModel, settings: Settings) -> None:
+        self.loaded = loaded
+        self.settings = settings
+        self.tokenizer = loaded.tokenizer
+        num_blocks = pool_size(settings, loaded)
+        self.pool = BlockPool(num_blocks, settings.block_size, low_watermark=settings.low_watermark,
+                              high_watermark=settings.high_watermark, debug=settings.debug_audit)
+        self.kv = KVTensors(loaded.num_layers, num_blocks, settings.block_size, loaded.num_kv_heads,
+                            loaded.head_dim, loaded.dtype)
+        self.scheduler = Scheduler(self.pool, max_batch_tokens=settings.max_batch_tokens,
+                                   max_num_seqs=settings.max_num_seqs, max_queue_wait_s=settings.max_queue_wait_s,
+                                   max_context=loaded.max_context)
+        self.runner = ModelRunner(loaded, self.kv)
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[int, IncrementalDetokenizer] = {}
+        self._generators: dict[int, torch.Generator] = {}
+        self._beams: dict[str, BeamSearch] = {}
+        self.on_step: list[Callable[[StepPlan], None]] = []
+        self.steps = 0
+
+    # ----- salts and requests ----------------------------------------------------------------
+    def salt(self, scope_key: str = "global") -> bytes:
+        return cache_salt(self.loaded.fingerprint, self.settings.block_size, self.loaded.dtype_name, scope_key)
+
+    def make_request(self, prompt: list[int], params: SamplingParams, *, request_id: str | None = None,
+                     scope_key: str = "global") -> Request:
+        return Request(request_id or uuid.uuid4().hex, list(prompt), params, salt=self.salt(scope_key))
+
+    def add(self, req: Request) -> None:
+        """Queue a request; raises `RequestRejected` (and keeps nothing) if it can never fit."""
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id}")
+        if not req.salt:
+            req.salt = self.salt()
+        try:
+            self.scheduler.add(req)
+        except Exception:
+            if req.prefix_table is not None and not req.prefix_table.released:
+                req.prefix_table.release()
+            raise
+        self.requests[req.request_id] = req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        for seq in req.live_seqs:
+            seq.finish_reason = FinishReason.ABORT
+        return self._finish(req)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ----- one step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        outputs: dict[str, RequestOutput] = {}
+        for req in plan.failed:
+            outputs[req.request_id] = self._finish(req)
+        for req in plan.preempted:
+            outputs.setdefault(req.request_id, RequestOutput(req.request_id)).preempted = True
+        if plan.empty:
+            return list(outputs.values())
+        entries = plan.decode + plan.prefill
+        try:
+            logits = self.runner.execute(plan)
+        except Exception as exc:  # a failed step fails its requests, never the engine
+            log.exception("engine step failed")
+            for req in {id(e.req): e.req for e in entries}.values():
+                req.error = f"{type(exc).__name__}: {exc}"
+                for seq in req.live_seqs:
+                    seq.finish_reason = FinishReason.ERROR
+                outputs[req.request_id] = self._finish(req)
+            return list(outputs.values())
+        self.steps += 1
+        for entry in entries:
+            seq = entry.seq
+            seq.num_computed = entry.start + entry.num_tokens
+            assert seq.table is not None
+            seq.table.commit(seq.tokens, seq.num_computed, entry.req.salt)
+        self._sample(plan, entries, logits, outputs)
+        for hook in self.on_step:
+            hook(plan)
+        if self.settings.debug_audit:
+            audit(self.pool).raise_if_bad()
+        return list(outputs.values())
+
+    def _sample(self, plan: StepPlan, entries: list[ScheduledSeq], logits: torch.Tensor,
+                outputs: dict[str, RequestOutput]) -> None:
+        rows: dict[int, int] = {}
+        for entry in entries:
+            if entry.samples:
+                rows[id(entry.seq)] = len(rows)
+        by_request: dict[str, list[ScheduledSeq]] = {}
+        for entry in entries:
+            if entry.samples:
+                by_request.setdefault(entry.req.request_id, []).append(entry)
+        now = time.monotonic()
+        plain_rows: list[int] = []
+        plain: list[tuple[Request, Sequence]] = []
+        for group in by_request.values():
+            req = group[0].req
+            if req.params.beam_width > 1:
+                self._beam_step(req, logits[[rows[id(e.seq)] for e in group]], outputs)
+                continue
+            if not req.forked:
+                req.forked = True
+                for child in range(1, req.params.n):
+                    seq0 = req.seqs[0]
+                    assert seq0.table is not None
+                    fork = Sequence(child, list(seq0.tokens), seq0.prompt_len,
+                                    table=seq0.table.fork(owner=f"{req.request_id}/{child}"),
+                                    num_computed=seq0.num_computed)
+                    req.seqs.append(fork)
+                    group.append(ScheduledSeq(req, fork, 0, 0, [], []))
+                    rows[id(fork)] = rows[id(seq0)]
+            for entry in group:
+                plain_rows.append(rows[id(entry.seq)])
+                plain.append((req, entry.seq))
+        if plain:
+            params = [r.params for r, _ in plain]
+            gens = [self._generator(r, s) for r, s in plain]
+            tokens = sample_rows(logits[plain_rows], params, gens)
+            for (req, seq), token in zip(plain, tokens, strict=True):
+                self._append_token(req, seq, token, now, outputs)
+        for req in {id(e.req): e.req for e in entries}.values():
+            if not req.finished and not req.live_seqs:
+                outputs[req.request_id] = self._merge(outputs.get(req.request_id), self._finish(req))
+
+    def _generator(self, req: Request, seq: Sequence) -> torch.Generator | None:
+        if req.params.greedy:
+            return None
+        key = id(seq)
+        if key not in self._generators:
+            self._generators[key] = make_generator(req.params.seed, seq.index)
+        return self._generators[key]
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        if params.ignore_eos:
+            return frozenset(params.stop_token_ids)
+        return self.loaded.stop_token_ids | frozenset(params.stop_token_ids)
+
+    def _append_token(self, req: Request, seq: Sequence, token: int, now: float,
+                      outputs: dict[str, RequestOutput]) -> None:
+        seq.tokens.append(token)
+        if req.first_token is None:
+            req.first_token = now
+        if seq.index == 0:
+            req.token_times.append(now)
+        detok = self._detok.get(id(seq))
+        if detok is None:
+            detok = self._detok[id(seq)] = IncrementalDetokenizer(self.tokenizer, req.params.stop)
+        text = detok.push(token)
+        if token in self._stop_ids(req.params) or detok.stopped:
+            seq.finish_reason = FinishReason.STOP
+        elif seq.num_generated >= req.params.max_tokens:
+            seq.finish_reason = FinishReason.LENGTH
+        if seq.finished:
+            text += detok.flush()
+            if seq.table is not None and not (req.keep_table and seq.index == 0):
+                seq.table.release()
+                seq.table = None
+        out = outputs.setdefault(req.request_id, RequestOutput(req.request_id))
+        out.deltas.append(SeqDelta(seq.index, [token], text))
+
+    def _beam_step(self, req: Request, logits: torch.Tensor, outputs: dict[str, RequestOutput]) -> None:
+        search = self._beams.get(req.request_id)
+        if search is None:
+            search = self._beams[req.request_id] = BeamSearch(
+                req.params.beam_width, req.params.length_penalty, req.params.max_tokens,
+                self._stop_ids(req.params))
+        beams = req.live_seqs
+        choices = search.step(logits, [s.cum_logprob for s in beams], [s.output_ids for s in beams])
+        if req.first_token is None:
+            req.first_token = time.monotonic()
+        snapshots = [list(s.tokens) for s in beams]
+        reused: set[int] = set()
+        next_beams: list[Sequence] = []
+        for i, choice in enumerate(choices):
+            parent = beams[choice.parent]
+            if choice.parent not in reused:
+                reused.add(choice.parent)
+                parent.tokens.append(choice.token)
+                child = parent
+            else:
+                assert parent.table is not None
+                child = Sequence(i, snapshots[choice.parent] + [choice.token], parent.prompt_len,
+                                 table=parent.table.fork(owner=f"{req.request_id}/b"),
+                                 num_computed=parent.num_computed)
+            child.cum_logprob = choice.score
+            next_beams.append(child)
+        for pos, beam in enumerate(beams):
+            if pos not in reused:
+                beam.finish_reason = FinishReason.STOP
+                if beam.table is not None:
+                    beam.table.release()
+                    beam.table = None
+        for i, beam in enumerate(next_beams):
+            beam.index = i
+            if beam.table is not None:
+                beam.table.owner = f"{req.request_id}/{i}"
+        req.seqs = next_beams
+        if search.done:
+            for beam in next_beams:
+                beam.finish_reason = FinishReason.STOP
+        outputs.setdefault(req.request_id, RequestOutput(req.request_id))
+
+    # ----- finishing ---------------------------------------------------------------------------
+    def _finish(self, req: Request) -> RequestOutput:
+        """The one exit path: release through the scheduler, then report."""
+        self.scheduler.remove(req)
+        self.requests.pop(req.request_id, None)
+        req.finished_at = time.monotonic()
+        out = RequestOutput(req.request_id, finished=True, error=req.error)
+        search = self._beams.pop(req.request_id, None)
+        if search is not None and search.results():
+            for i, hyp in enumerate(search.results()):
+                text = self.tokenizer.decode(hyp.token_ids, skip_special_tokens=True)
+                reason = "stop" if hyp.token_ids and hyp.token_ids[-1] in search.stop_ids else "length"
+                out.outputs.append(CompletedSeq(i, text, hyp.token_ids, reason))
+        else:
+            for seq in req.seqs:
+                detok = self._detok.pop(id(seq), None)
+                self._generators.pop(id(seq), None)
+                text = detok.text if detok is not None else ""
+                reason = (seq.finish_reason or FinishReason.ABORT).value
+                out.outputs.append(CompletedSeq(seq.index, text, seq.output_ids, reason))
+        for seq in req.seqs:
+            self._detok.pop(id(seq), None)
+            self._generators.pop(id(seq), None)
+        completion = sum(len(o.token_ids) for o in out.outputs)
+        out.usage = Usage(len(req.prompt), req.cached_tokens, completion, req.cached_disk_tokens)
+        start = req.arrival
+        gaps = [1000 * (b - a) for a, b in zip(req.token_times, req.token_times[1:])]
+        out.timings = Timings(
+            queue_ms=1000 * ((req.first_scheduled or req.finished_at) - start),
+            ttft_ms=1000 * (req.first_token - start) if req.first_token is not None else None,
+            total_ms=1000 * (req.finished_at - start),
+            inter_token_ms=gaps,
+        )
+        return out
+
+    @staticmethod
+    def _merge(first: RequestOutput | None, final: RequestOutput) -> RequestOutput:
+        if first is not None:
+            final.deltas = first.deltas + final.deltas
+            final.preempted = first.preempted
+        return final
+
+    def audit(self) -> None:
+        report = audit(self.pool)
+        if not report.ok:
+            raise CacheError(report.format())

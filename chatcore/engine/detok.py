@@ -1,0 +1,63 @@
+"""Incremental detokenization that never splits a multi-byte character, with stop strings.
+
+Text is decoded from a sliding window of ids (`prefix_offset`..end) and compared with the
+window without the newest ids, so tokenizers that drop a leading space at the start of a
+decode still produce the right delta. A delta ending in U+FFFD waits for the next token.
+With stop strings, the last `max(len(stop)) - 1` characters are held back until they cannot
+begin a stop string any more; the text before a matched stop string is all that is emitted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.emitted = 0
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token_id: int) -> str:
+        """Add one generated id; returns the newly safe text (maybe empty)."""
+        if self.stopped:
+            return ""
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        after = self._decode(self.ids[self.prefix_offset:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """At the end: whatever is left, incomplete characters included."""
+        if not self.stopped:
+            tail = self._decode(self.ids[self.prefix_offset:])
+            before = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            if len(tail) > len(before):
+                self.text += tail[len(before):]
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self.stop and not self.stopped:
+            search_from = max(0, self.emitted - self.hold)
+            hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = True
+                final = True
+        safe = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)
+        delta = self.text[self.emitted:safe]
+        self.emitted = safe
+        return delta

@@ -1,0 +1,52 @@
+"""What the engine reports: streamed deltas, and the final result of each request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SeqDelta:
+    index: int
+    token_ids: list[int]
+    text: str
+
+
+@dataclass(slots=True)
+class CompletedSeq:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    cached_disk_tokens: int = 0
+
+    @property
+    def recomputed_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass(slots=True)
+class Timings:
+    queue_ms: float
+    ttft_ms: float | None
+    total_ms: float
+    inter_token_ms: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    deltas: list[SeqDelta] = field(default_factory=list)
+    finished: bool = False
+    outputs: list[CompletedSeq] = field(default_factory=list)
+    usage: Usage | None = None
+    timings: Timings | None = None
+    error: str | None = None
+    preempted: bool = False

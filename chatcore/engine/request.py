@@ -1,0 +1,145 @@
+"""Requests, their sequences, and the state machine they move through.
+
+A request holds one sequence until its prompt is computed; then `n > 1` sampling or beam
+search forks it. Sequences of one request are scheduled, preempted and re-admitted together.
+
+    WAITING --admit--> RUNNING --finish--> FINISHED
+       ^                  |
+       +----preempt-------+          (any state) --abort/error--> FINISHED
+
+A sequence's KV covers positions [0, num_computed). Each step computes the next chunk of
+tokens; when a sequence's KV covers all its tokens but the last sampled one, it samples.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+
+from chatcore.cache import BlockTable
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "cancelled"
+    ERROR = "error"
+    BUSY = "busy"
+    TOO_LARGE = "too_large"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    n: int = 1
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError("temperature must be a finite number >= 0")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if self.n < 1 or self.beam_width < 1:
+            raise ValueError("n and beam_width must be >= 1")
+        if self.n > 1 and self.beam_width > 1:
+            raise ValueError("n > 1 and beam search cannot be combined")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def num_sequences(self) -> int:
+        return max(self.n, self.beam_width)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One output stream. `tokens` = prompt + generated; KV covers tokens[:num_computed]."""
+
+    index: int
+    tokens: list[int]
+    prompt_len: int
+    table: BlockTable | None = None
+    num_computed: int = 0
+    finish_reason: FinishReason | None = None
+    stop_text_cut: int | None = None
+    cum_logprob: float = 0.0
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def to_compute(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    state: RequestState = RequestState.WAITING
+    seqs: list[Sequence] = field(default_factory=list)
+    # The cache salt (model, block size, dtype, scope): set by the engine, per tenant if scoped.
+    salt: bytes = b""
+    # Prompt tokens served from the cache at first admission (device), and from the disk tier.
+    cached_tokens: int = 0
+    cached_disk_tokens: int = 0
+    # A table the caller hands over (a hot session's chain): it covers a prefix of `prompt`.
+    prefix_table: BlockTable | None = None
+    # Keep the best sequence's table on finish instead of releasing it (the session pins it).
+    keep_table: bool = False
+    kept_table: BlockTable | None = None
+    forked: bool = False
+    preemptions: int = 0
+    waiting_since: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished_at: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.seqs:
+            self.seqs = [Sequence(0, list(self.prompt), len(self.prompt))]
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.finished]
+
+    @property
+    def finished(self) -> bool:
+        return self.state is RequestState.FINISHED

@@ -1,0 +1,269 @@
+"""Continuous batching under a token budget, with watermarks and preemption by recompute.
+
+Each `schedule()` builds one engine step:
+1. Waiting requests older than `max_queue_wait_s` fail with `busy`: no wait is unbounded.
+2. Running requests, oldest first: every decoding sequence gets one token, then unfinished
+   prefills get chunks from what is left of the token budget. A sequence that needs a block
+   when none is available preempts the youngest running request (its blocks are released;
+   hashed full blocks stay findable as cached-free, so recompute is mostly prefix hits). If
+   it is itself the youngest, it is preempted.
+3. If nothing was preempted, waiting requests are admitted in arrival order while the token
+   budget, the sequence cap and the low watermark allow. Admission looks up the longest
+   cached prefix, so only uncached tokens are computed.
+A request that could never fit (its prompt and max_tokens over the pool or the context) is
+refused in `add`, so a lone running request can always make progress: no deadlock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from chatcore.cache import BlockPool, BlockTable, longest_prefix
+from chatcore.engine.request import FinishReason, Request, RequestState, Sequence
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served: too long for the context or the pool."""
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    req: Request
+    seq: Sequence
+    start: int
+    num_tokens: int
+    slots: list[int]
+    copies: list[tuple[int, int]]
+
+    @property
+    def samples(self) -> bool:
+        """After this chunk the sequence's KV covers all its tokens: its logits are needed."""
+        return self.start + self.num_tokens == len(self.seq.tokens)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    decode: list[ScheduledSeq] = field(default_factory=list)
+    prefill: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(s.num_tokens for s in self.prefill)
+
+    @property
+    def copies(self) -> list[tuple[int, int]]:
+        return [c for entry in (*self.decode, *self.prefill) for c in entry.copies]
+
+    def drop(self, req: Request) -> int:
+        """Remove a preempted request's entries; returns the tokens they had taken."""
+        dropped = [e for e in (*self.decode, *self.prefill) if e.req is req]
+        self.decode = [e for e in self.decode if e.req is not req]
+        self.prefill = [e for e in self.prefill if e.req is not req]
+        return sum(e.num_tokens for e in dropped)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, *, max_batch_tokens: int, max_num_seqs: int,
+                 max_queue_wait_s: float, max_context: int) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_queue_wait_s = max_queue_wait_s
+        self.max_context = max_context
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preemptions = 0
+        self._budget = 0
+
+    # ----- admission control -----------------------------------------------------------------
+    def worst_case_blocks(self, req: Request) -> int:
+        bs = self.block_size
+        prompt_blocks = -(-len(req.prompt) // bs)
+        per_seq = -(-req.params.max_tokens // bs) + 1
+        return prompt_blocks + req.params.num_sequences * per_seq
+
+    def check_fits(self, req: Request) -> None:
+        total = len(req.prompt) + req.params.max_tokens
+        if not req.prompt:
+            raise RequestRejected("the prompt is empty")
+        if total > self.max_context:
+            raise RequestRejected(f"prompt ({len(req.prompt)} tokens) + max_tokens ({req.params.max_tokens}) "
+                                  f"exceeds the model's context of {self.max_context} tokens")
+        prompt_blocks = -(-len(req.prompt) // self.block_size)
+        if prompt_blocks > self.pool.num_blocks - self.pool.low_watermark_blocks:
+            raise RequestRejected(f"the prompt needs {prompt_blocks} KV blocks; the pool admits at most "
+                                  f"{self.pool.num_blocks - self.pool.low_watermark_blocks}")
+        if self.worst_case_blocks(req) > self.pool.num_blocks:
+            raise RequestRejected(f"prompt + max_tokens may need {self.worst_case_blocks(req)} KV blocks; "
+                                  f"the pool has {self.pool.num_blocks}")
+
+    def add(self, req: Request) -> None:
+        self.check_fits(req)
+        req.state = RequestState.WAITING
+        req.waiting_since = time.monotonic()
+        self.waiting.append(req)
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(len(r.live_seqs) for r in self.running)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ----- releasing ---------------------------------------------------------------------------
+    def release_seq(self, seq: Sequence) -> None:
+        if seq.table is not None:
+            seq.table.release()
+            seq.table = None
+        seq.num_computed = 0
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of the queues and release every table it holds (any state)."""
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req.prefix_table is not None and not req.prefix_table.released:
+            req.prefix_table.release()
+        req.prefix_table = None
+        for seq in req.seqs:
+            if req.keep_table and seq.table is not None and req.kept_table is None and seq.index == 0 \
+                    and seq.finish_reason not in (None, FinishReason.ERROR):
+                req.kept_table, seq.table = seq.table, None
+            self.release_seq(seq)
+        req.state = RequestState.FINISHED
+
+    def preempt(self, req: Request) -> None:
+        """Release a running request's blocks; it waits at the front and recomputes."""
+        self.running.remove(req)
+        if req.params.beam_width > 1:
+            # Beams stream nothing until the end: restart the search from the prompt.
+            req.seqs = [Sequence(0, list(req.prompt), len(req.prompt))]
+            req.forked = False
+        for seq in req.seqs:
+            self.release_seq(seq)
+        req.state = RequestState.WAITING
+        req.preemptions += 1
+        req.waiting_since = time.monotonic()
+        self.preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ----- one step ----------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        now = time.monotonic()
+        for req in [r for r in self.waiting if now - r.waiting_since > self.max_queue_wait_s]:
+            req.error = f"no capacity within max_queue_wait_s={self.max_queue_wait_s:g}s"
+            for seq in req.live_seqs:
+                seq.finish_reason = FinishReason.BUSY
+            self.remove(req)
+            plan.failed.append(req)
+
+        self._budget = self.max_batch_tokens
+        self.running.sort(key=lambda r: r.arrival)
+        self._schedule_running(plan, decode=True)
+        self._schedule_running(plan, decode=False)
+        if not plan.preempted:
+            self._admit(plan)
+        return plan
+
+    def _schedule_running(self, plan: StepPlan, decode: bool) -> None:
+        index = 0
+        while index < len(self.running):
+            req = self.running[index]
+            entries: list[ScheduledSeq] = []
+            for seq in req.live_seqs:
+                if seq.table is None or (seq.to_compute == 1) != decode:
+                    continue
+                count = min(seq.to_compute, self._budget)
+                if count <= 0:
+                    continue
+                if not self._make_room(seq.table.blocks_needed(count), req, plan):
+                    break
+                entries.append(self._reserve(req, seq, count))
+                self._budget -= count
+            if req in self.running:
+                (plan.decode if decode else plan.prefill).extend(entries)
+                index += 1
+            else:
+                self._budget += sum(e.num_tokens for e in entries)
+
+    def _make_room(self, needed: int, req: Request, plan: StepPlan) -> bool:
+        """Preempt youngest-first until `needed` blocks are available; False if `req` itself went."""
+        while not self.pool.can_allocate(needed):
+            victim = self.running[-1]
+            self._budget += plan.drop(victim)
+            self.preempt(victim)
+            plan.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _reserve(self, req: Request, seq: Sequence, count: int) -> ScheduledSeq:
+        assert seq.table is not None
+        start = seq.num_computed
+        slots, copies = seq.table.append_slots(count)
+        return ScheduledSeq(req, seq, start, count, slots, copies)
+
+    def _admit(self, plan: StepPlan) -> None:
+        while self.waiting and self._budget > 0:
+            req = self.waiting[0]
+            seqs = req.live_seqs
+            if self.num_running_seqs + len(seqs) > self.max_num_seqs:
+                return
+            given = req.prefix_table
+            tables = self._prefix_tables(req, seqs)
+            needed = sum(-(-len(s.tokens) // self.block_size) - len(t) for s, t in zip(seqs, tables, strict=True))
+            fits = self.pool.can_admit(needed) or (not self.running and self.pool.can_allocate(needed))
+            if not fits:
+                for table in tables:
+                    if table is given:
+                        req.prefix_table = given
+                    else:
+                        table.release()
+                return
+            self.waiting.popleft()
+            for seq, table in zip(seqs, tables, strict=True):
+                seq.table = table
+                seq.num_computed = table.num_tokens
+            if req.first_scheduled is None:
+                req.first_scheduled = time.monotonic()
+                req.cached_tokens = seqs[0].num_computed
+            req.state = RequestState.RUNNING
+            self.running.append(req)
+            for seq in seqs:
+                count = min(seq.to_compute, self._budget)
+                if count <= 0:
+                    continue
+                plan.prefill.append(self._reserve(req, seq, count))
+                self._budget -= count
+
+    def _prefix_tables(self, req: Request, seqs: list[Sequence]) -> list[BlockTable]:
+        """Each sequence's starting table: the handed-over session chain, or a prefix-cache hit.
+
+        At least one token is always left to compute, since its logits start the answer.
+        """
+        tables: list[BlockTable] = []
+        for seq in seqs:
+            given = req.prefix_table if seq.index == 0 else None
+            if given is not None:
+                req.prefix_table = None
+                if given.num_tokens < len(seq.tokens):
+                    given.owner = f"{req.request_id}/{seq.index}"
+                    tables.append(given)
+                    continue
+                given.release()
+            max_blocks = (len(seq.tokens) - 1) // self.block_size
+            ids, hashes = longest_prefix(self.pool.find, seq.tokens, self.block_size, req.salt, max_blocks)
+            tables.append(BlockTable.from_prefix(self.pool, ids, hashes, owner=f"{req.request_id}/{seq.index}"))
+        return tables

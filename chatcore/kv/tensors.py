@@ -1,0 +1,68 @@
+"""The KV tensors: one tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim].
+
+`layer(i)` returns the key and value caches of layer i as contiguous views of shape
+[num_blocks, block_size, kv_heads, head_dim], the layout the kernels take. A block id is
+the same index in every layer, so the bookkeeping in `chatcore.cache` maps straight onto it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+import kernels
+
+
+class KVTensors:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.data = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
+                                dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * itemsize
+
+    @property
+    def num_blocks(self) -> int:
+        return self.data.shape[2]
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[index, 0], self.data[index, 1]
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write: copy block src to dst in every layer."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.data.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.data.device)
+        for index in range(self.num_layers):
+            key_cache, value_cache = self.layer(index)
+            kernels.copy_blocks(key_cache, value_cache, src, dst)
+
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """A copy of one block across all layers: [layers, 2, block_size, kv_heads, head_dim]."""
+        return self.data[:, :, block_id].clone()
+
+    def write_block(self, block_id: int, block: torch.Tensor) -> None:
+        self.data[:, :, block_id].copy_(block)
+
+    def resize(self, num_blocks: int) -> None:
+        """Grow or shrink to `num_blocks`, keeping the contents of every surviving block id."""
+        current = self.num_blocks
+        if num_blocks == current:
+            return
+        if num_blocks < current:
+            self.data = self.data[:, :, :num_blocks].clone()
+            return
+        extra = torch.zeros(*self.data.shape[:2], num_blocks - current, *self.data.shape[3:],
+                            dtype=self.data.dtype, device=self.data.device)
+        self.data = torch.cat([self.data, extra], dim=2)

@@ -1,0 +1,126 @@
+"""Loading a local Hugging Face Llama-family model with our paged attention.
+
+`settings.model` is either "default" (the converted SmolLM2 folder) or a path to any local
+folder that transformers can load as a causal LM (Llama, Qwen2, Mistral, SmolLM...).
+The fingerprint identifies the weights and config: every persisted KV block carries it, so
+KV computed by another model is never reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from chatcore.config import DEFAULT_MODEL, Settings
+from chatcore.models import paged_attention
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FINGERPRINT_HEAD_BYTES = 1 << 20
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    path: Path
+    fingerprint: str
+    dtype: torch.dtype
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_context: int
+    stop_token_ids: frozenset[int]
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def resolve_model_path(settings: Settings) -> Path:
+    if settings.model == DEFAULT_MODEL:
+        from chatcore.models.fetch import fetch_default_model
+
+        return fetch_default_model(settings.cache_dir)[0]
+    path = Path(settings.model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
+    return path
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """`auto` is bfloat16 where the CPU has native bf16 matmuls (measured faster), else float32."""
+    if name != "auto":
+        return DTYPES[name]
+    if device != "cpu":
+        return torch.bfloat16
+    return torch.bfloat16 if _cpu_has_bf16() else torch.float32
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def model_fingerprint(path: Path) -> str:
+    """A digest of the config and the head of every weight file (their headers name every tensor)."""
+    digest = hashlib.sha256()
+    config = json.loads((path / "config.json").read_text())
+    config.pop("_name_or_path", None)
+    config.pop("transformers_version", None)
+    digest.update(json.dumps(config, sort_keys=True).encode())
+    for weights in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+        digest.update(weights.name.encode())
+        digest.update(weights.stat().st_size.to_bytes(8, "little"))
+        with weights.open("rb") as fh:
+            digest.update(fh.read(FINGERPRINT_HEAD_BYTES))
+    return digest.hexdigest()[:32]
+
+
+def _stop_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (model.config, getattr(model, "generation_config", None)):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def load_model(settings: Settings, device: str = "cpu") -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(settings)
+    dtype = resolve_dtype(settings.dtype, device)
+    name = paged_attention.register()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=name)
+    model.to(device)
+    model.eval()
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        path=path,
+        fingerprint=model_fingerprint(path),
+        dtype=dtype,
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        max_context=int(getattr(config, "max_position_embeddings", 4096)),
+        stop_token_ids=_stop_ids(model, tokenizer),
+    )
