@@ -1,7 +1,103 @@
 """Paged attention kernels (Triton) and their torch references.
 
-`__version__` must stay a PEP 440 version below 0.18: transformers probes for a package
-named `kernels` and compares its version.
+The engine calls these three functions and nothing else. Each runs the Triton kernel on CUDA
+tensors, and on CPU tensors when the Triton interpreter is on (`TRITON_INTERPRET=1`, decided
+per call); otherwise it runs the torch reference in `kernels.reference`, which is the
+engine's CPU path. Layouts: query [S, H, D]; key_cache and value_cache
+[num_blocks, block_size, KVH, D]; block_tables int32 [S, max_blocks]; context_lens int32 [S].
+
+Importing this package imports neither torch nor triton (transformers probes for a package
+named `kernels` and may import it); they load on first call.
+
+`__version__` must stay a PEP 440 version below 0.18: transformers compares it against the
+range it accepts for the Hugging Face `kernels` package, and must keep finding it too old.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kernels._jit import interpreting
+
+if TYPE_CHECKING:
+    import torch
+
 __version__ = "0.1.0"
+
+__all__ = ["copy_blocks", "paged_decode_attention", "store_kv"]
+
+
+def _use_triton(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda or (tensor.device.type == "cpu" and interpreting())
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention of one query token per sequence over its paged KV cache.
+
+    Returns [S, H, D] in the query's dtype (written into `out` when given). Accumulation is
+    fp32. Block-table entries past a sequence's blocks may be anything, even out of range.
+    A sequence with context length 0 gets zeros. Requires context_lens[i] <=
+    max_blocks * block_size. `num_splits` sets the Triton kernel's split-K factor (None: a
+    heuristic from the table capacity, batch and heads); the reference path ignores it.
+    """
+    from kernels import _validate
+
+    _validate.check_decode(query, key_cache, value_cache, block_tables, context_lens, out)
+    if _use_triton(query):
+        from kernels import paged_decode
+
+        return paged_decode.paged_decode_attention(
+            query, key_cache, value_cache, block_tables, context_lens, scale, num_splits, out
+        )
+    from kernels import reference
+
+    result = reference.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
+    if out is None:
+        return result
+    return out.copy_(result)
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key/value [T, KVH, D] into cache slots slot_mapping (int64 [T]; negative: skip).
+
+    A slot is block_id * block_size + offset_in_block. Values are cast to the cache dtype.
+    """
+    from kernels import _validate
+
+    _validate.check_store(key, value, key_cache, value_cache, slot_mapping)
+    if _use_triton(key_cache):
+        from kernels import cache_ops as impl
+    else:
+        from kernels import reference as impl
+    impl.store_kv(key, value, key_cache, value_cache, slot_mapping)
+
+
+def copy_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy whole blocks src[i] -> dst[i] (int64 [n]) in both caches, in place.
+
+    dst ids must be distinct and disjoint from src.
+    """
+    from kernels import _validate
+
+    _validate.check_copy(key_cache, value_cache, src, dst)
+    if _use_triton(key_cache):
+        from kernels import cache_ops as impl
+    else:
+        from kernels import reference as impl
+    impl.copy_blocks(key_cache, value_cache, src, dst)

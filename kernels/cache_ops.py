@@ -1,0 +1,151 @@
+"""Triton kernels that write the paged KV cache: store new tokens, copy whole blocks.
+
+Both move one token row ([num_kv_heads, head_dim], padded to powers of two and masked) per
+step, for keys and values together, and form cache offsets in int64 (block id and slot are
+int64 before they meet a stride), so pools past 2^31 elements are addressed correctly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._jit import LazyKernel
+
+
+def _store_kv_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_kcb,
+    stride_kct,
+    stride_kch,
+    stride_kcd,
+    stride_vcb,
+    stride_vct,
+    stride_vch,
+    stride_vcd,
+    NUM_KV_HEADS: tl.constexpr,
+    KV_HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    heads = tl.arange(0, KV_HEADS_PAD)[:, None]
+    cols = tl.arange(0, HEAD_DIM_PAD)[None, :]
+    # A negative slot masks every lane: the token is neither read nor written.
+    mask = (slot >= 0) & (heads < NUM_KV_HEADS) & (cols < HEAD_DIM)
+    k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + cols * stride_kd, mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + cols * stride_vd, mask=mask)
+    tl.store(
+        key_cache_ptr + block * stride_kcb + offset * stride_kct + heads * stride_kch + cols * stride_kcd, k, mask=mask
+    )
+    tl.store(
+        value_cache_ptr + block * stride_vcb + offset * stride_vct + heads * stride_vch + cols * stride_vcd, v, mask=mask
+    )
+
+
+def _copy_blocks_kernel(
+    key_cache_ptr,
+    value_cache_ptr,
+    src_ptr,
+    dst_ptr,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    NUM_KV_HEADS: tl.constexpr,
+    KV_HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    src = tl.load(src_ptr + pair)
+    dst = tl.load(dst_ptr + pair)
+    heads = tl.arange(0, KV_HEADS_PAD)[:, None]
+    cols = tl.arange(0, HEAD_DIM_PAD)[None, :]
+    mask = (heads < NUM_KV_HEADS) & (cols < HEAD_DIM)
+    k_row = heads * stride_kh + cols * stride_kd
+    v_row = heads * stride_vh + cols * stride_vd
+    for slot in range(BLOCK_SIZE):
+        k = tl.load(key_cache_ptr + src * stride_kb + slot * stride_kt + k_row, mask=mask)
+        tl.store(key_cache_ptr + dst * stride_kb + slot * stride_kt + k_row, k, mask=mask)
+        v = tl.load(value_cache_ptr + src * stride_vb + slot * stride_vt + v_row, mask=mask)
+        tl.store(value_cache_ptr + dst * stride_vb + slot * stride_vt + v_row, v, mask=mask)
+
+
+_store_kv = LazyKernel(_store_kv_kernel)
+_copy_blocks = LazyKernel(_copy_blocks_kernel)
+
+
+def _row_meta(cache: torch.Tensor) -> dict[str, int]:
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    return {
+        "NUM_KV_HEADS": num_kv_heads,
+        "KV_HEADS_PAD": triton.next_power_of_2(num_kv_heads),
+        "HEAD_DIM": head_dim,
+        "HEAD_DIM_PAD": triton.next_power_of_2(head_dim),
+        "BLOCK_SIZE": block_size,
+    }
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Launch the store kernel, one program per token. Arguments already validated."""
+    if key.shape[0] == 0:
+        return
+    # Cast on the host: the kernel then copies bits, and no rounding mode is involved.
+    key = key.to(key_cache.dtype)
+    value = value.to(value_cache.dtype)
+    _store_kv[(key.shape[0],)](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        *key.stride(),
+        *value.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        **_row_meta(key_cache),
+        num_warps=1,
+    )
+
+
+def copy_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Launch the copy kernel, one program per (src, dst) pair. Arguments already validated."""
+    if src.shape[0] == 0:
+        return
+    _copy_blocks[(src.shape[0],)](
+        key_cache,
+        value_cache,
+        src,
+        dst,
+        *key_cache.stride(),
+        *value_cache.stride(),
+        **_row_meta(key_cache),
+        num_warps=1,
+    )
