@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._jit import LazyKernel
+from kernels._triton import interpreted, jit, require_launchable
 
 _LOG2E = math.log2(math.e)
 # Tokens per inner-loop tile when blocks are smaller than this (several blocks per tile).
@@ -42,6 +42,7 @@ _MAX_SPLITS = 32
 _NOMINAL_SM_COUNT = 132
 
 
+@jit
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -161,6 +162,7 @@ def _decode_kernel(
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + cols[None, :], acc, mask=out_mask)
 
 
+@jit
 def _reduce_kernel(
     part_acc_ptr,
     part_m_ptr,
@@ -195,10 +197,6 @@ def _reduce_kernel(
     tl.store(out_ptr + seq * stride_os + head * stride_oh + cols * stride_od, o.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-_decode = LazyKernel(_decode_kernel)
-_reduce = LazyKernel(_reduce_kernel)
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -226,6 +224,7 @@ def paged_decode_attention(
     out: torch.Tensor | None,
 ) -> torch.Tensor:
     """Launch the decode pass (and the reduction when split). Arguments already validated."""
+    require_launchable(query)
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     if block_size & (block_size - 1):
@@ -236,9 +235,8 @@ def paged_decode_attention(
         out = torch.empty_like(query)
     if num_seqs == 0:
         return out
-    interpreted = bool(triton.knobs.runtime.interpret)
     if num_splits is None:
-        sm_count = _sm_count(query.device) if query.is_cuda and not interpreted else _NOMINAL_SM_COUNT
+        sm_count = _sm_count(query.device) if query.is_cuda and not interpreted() else _NOMINAL_SM_COUNT
         num_splits = pick_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, sm_count)
 
     group = num_heads // num_kv_heads
@@ -250,7 +248,7 @@ def paged_decode_attention(
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
 
-    _decode[(num_seqs, num_kv_heads, num_splits)](
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         key_cache,
         value_cache,
@@ -274,11 +272,11 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         TILE_N=max(_TILE_TOKENS, block_size),
         NUM_SPLITS=num_splits,
-        DOT_FP32=query.dtype == torch.float32 or interpreted,
+        DOT_FP32=query.dtype == torch.float32 or interpreted(),
         num_warps=4,
     )
     if num_splits > 1:
-        _reduce[(num_seqs, num_heads)](
+        _reduce_kernel[(num_seqs, num_heads)](
             part_acc,
             part_m,
             part_l,

@@ -1,0 +1,242 @@
+"""The Triton paged decode kernel against the torch reference and dense SDPA.
+
+On CPU the kernel runs under Triton's interpreter (about 1000x slower than compiled code),
+so the cases are small. With a GPU, the same tests run compiled on CUDA instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+# Triton's interpreter mode is process-wide, fixed at its first import (Triton 3.9 jits its
+# own standard library, tl.sum/tl.max/tl.cdiv, inside `import triton`, reading
+# TRITON_INTERPRET there). Without a GPU, import it in interpreter mode now, whichever test
+# module gets here first, then restore the variable: left set, it would send every later
+# test's CPU calls to kernels.* through the interpreter. The `device` fixture sets it per
+# test, which is what routes kernels.* on CPU tensors to the Triton kernels.
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    _saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton  # noqa: F401
+
+    if _saved is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved
+
+import math  # noqa: E402
+import mmap  # noqa: E402
+import tempfile  # noqa: E402
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import reference  # noqa: E402
+from kernels._triton import interpreted  # noqa: E402
+from kernels.paged_decode import pick_num_splits  # noqa: E402
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+
+
+def use_interpreter(monkeypatch) -> None:
+    if not interpreted():
+        if torch.cuda.is_available():
+            pytest.skip("triton runs compiled in this process (CUDA present); the cuda cases cover the kernel")
+        pytest.fail("triton was imported without TRITON_INTERPRET=1 before this module could set it")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request, monkeypatch) -> str:
+    if request.param == "cpu":
+        use_interpreter(monkeypatch)
+    elif not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return request.param
+
+
+def dense_attention(query, key_cache, value_cache, block_tables, context_lens, scale) -> torch.Tensor:
+    """fp32 SDPA of each sequence over its keys and values, gathered one sequence at a time."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    out = torch.zeros(num_seqs, num_heads, head_dim)
+    for i in range(num_seqs):
+        n = int(context_lens[i])
+        if n == 0:
+            continue
+        blocks = block_tables[i, : -(-n // block_size)].long().cpu()
+        k = key_cache.cpu()[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float().transpose(0, 1)
+        v = value_cache.cpu()[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float().transpose(0, 1)
+        group = num_heads // num_kv_heads
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        out[i] = F.scaled_dot_product_attention(query[i].cpu().float()[:, None], k, v, scale=scale)[:, 0]
+    return out
+
+
+def make_case(lens, *, num_kv_heads, group, head_dim, block_size, dtype, device="cpu", seed=0):
+    """Random caches, a shuffled (non-contiguous) block table, padding that is out-of-range garbage."""
+    gen = torch.Generator().manual_seed(seed)
+    used = [-(-n // block_size) for n in lens]
+    width = max(used + [1]) + 2
+    num_blocks = sum(used) + 3
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    query = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    ids = torch.randperm(num_blocks, generator=gen)
+    table = torch.randint(-(2**31), 2**31 - 1, (len(lens), width), generator=gen, dtype=torch.int64)
+    start = 0
+    for i, n in enumerate(used):
+        table[i, :n] = ids[start : start + n]
+        start += n
+    tensors = query, key_cache, value_cache, table.to(torch.int32), torch.tensor(lens, dtype=torch.int32)
+    return tuple(t.to(device) for t in tensors)
+
+
+# (dtype, num_kv_heads, group, head_dim, block_size, context lengths, num_splits)
+CASES = [
+    (torch.float32, 2, 1, 64, 16, [1, 16, 37, 64], None),
+    (torch.float32, 1, 3, 80, 8, [8, 23, 1], 2),
+    (torch.float32, 2, 4, 96, 32, [96, 5, 33], 3),
+    (torch.float32, 1, 3, 64, 16, [300, 17], 2),  # several tiles per split
+    (torch.float16, 1, 3, 64, 64, [64, 130, 1], 2),
+    (torch.float16, 3, 3, 64, 32, [32, 200], None),  # the default model's head layout
+    (torch.bfloat16, 2, 4, 80, 16, [48, 7, 100], 4),
+    (torch.bfloat16, 1, 1, 96, 8, [1, 64], 1),
+]
+
+
+@pytest.mark.parametrize("dtype,num_kv_heads,group,head_dim,block_size,lens,num_splits", CASES)
+def test_matches_reference_and_dense(device, dtype, num_kv_heads, group, head_dim, block_size, lens, num_splits):
+    case = make_case(lens, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                     block_size=block_size, dtype=dtype, device=device)
+    scale = head_dim**-0.5
+    got = kernels.paged_decode_attention(*case, scale, num_splits=num_splits)
+    assert got.shape == case[0].shape and got.dtype == dtype and got.device == case[0].device
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), reference.paged_decode_attention(*case, scale).float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got.float().cpu(), dense_attention(*case, scale), atol=tol, rtol=tol)
+
+
+def test_empty_splits_and_empty_contexts_contribute_nothing(device):
+    """More splits than tiles: most splits own no tokens; context 0 must give zeros, not NaN."""
+    case = make_case([1, 70, 0, 16], num_kv_heads=1, group=4, head_dim=32, block_size=16,
+                     dtype=torch.float32, device=device)
+    for num_splits in (1, 6):
+        got = kernels.paged_decode_attention(*case, 0.2, num_splits=num_splits)
+        assert not got.isnan().any()
+        assert torch.equal(got[2].cpu(), torch.zeros(4, 32))
+        torch.testing.assert_close(got.cpu(), dense_attention(*case, 0.2), atol=1e-5, rtol=1e-5)
+
+
+def test_never_reads_masked_slots(device):
+    """Slots past each context and blocks only the padding names are NaN: the kernel must not read them."""
+    lens = [3, 21, 16]
+    query, key_cache, value_cache, table, context_lens = make_case(
+        lens, num_kv_heads=2, group=3, head_dim=64, block_size=8, dtype=torch.float16, device=device)
+    expected = dense_attention(query, key_cache, value_cache, table, context_lens, 0.125)
+    live = torch.zeros(key_cache.shape[:2], dtype=torch.bool, device=device)
+    for i, n in enumerate(lens):
+        for t in range(n):
+            live[table[i, t // 8].long(), t % 8] = True
+    key_cache[~live] = float("nan")
+    value_cache[~live] = float("nan")
+    got = kernels.paged_decode_attention(query, key_cache, value_cache, table, context_lens, 0.125, num_splits=2)
+    torch.testing.assert_close(got.float().cpu(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_writes_into_out_with_its_strides(device):
+    case = make_case([9, 40], num_kv_heads=1, group=3, head_dim=64, block_size=16, dtype=torch.float32, device=device)
+    storage = torch.full((2, 64, 3), -7.0, device=device)
+    out = storage.transpose(1, 2)  # [2, 3, 64], non-contiguous
+    for num_splits in (1, 2):
+        got = kernels.paged_decode_attention(*case, 0.125, num_splits=num_splits, out=out)
+        assert got is out
+        torch.testing.assert_close(out.cpu(), dense_attention(*case, 0.125), atol=1e-5, rtol=1e-5)
+
+
+def sparse_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over a sparse, already-unlinked temporary file mapped MAP_SHARED.
+
+    The file has the tensor's full size but no data: the kernel needs real addresses beyond
+    2^31 elements, yet only the pages a test touches ever get memory (untouched pages read as
+    zeros). A file mapping, unlike an anonymous one, is not charged against the commit limit,
+    so this works under strict overcommit too. The interpreter's host copy of an argument is
+    the storage itself for CPU tensors, so nothing copies the whole range.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    with tempfile.TemporaryFile() as f:
+        f.truncate(nbytes)
+        mapping = mmap.mmap(f.fileno(), nbytes)
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)
+
+
+# A pool [num_blocks, 2 (k/v), 16 slots, 1 head, 16 dims] of fp16: a block stride of 512
+# elements, so block ids >= 2^23 sit at element offsets >= 2^32 (8 GiB of address space, a
+# few pages used). With int32 arithmetic those offsets wrap to (id - 2^23) * 512: a valid
+# but wrong (all-zero) block, so a missing int64 cast fails the comparison instead of
+# crashing the process.
+HIGH = 2**23
+BIG_POOL_SHAPE = (HIGH + 64, 2, 16, 1, 16)
+
+
+@pytest.fixture
+def big_pool(monkeypatch) -> torch.Tensor:
+    use_interpreter(monkeypatch)
+    return sparse_tensor(BIG_POOL_SHAPE, torch.float16)
+
+
+def test_block_offsets_beyond_int32(big_pool):
+    key_cache, value_cache = big_pool[:, 0], big_pool[:, 1]
+    assert key_cache.stride(0) * HIGH >= 2**32
+    gen = torch.Generator().manual_seed(1)
+    high_ids = torch.tensor([HIGH + 3, HIGH + 17, HIGH + 40, HIGH + 41, HIGH + 60])
+    key_cache[high_ids] = torch.randn(5, 16, 1, 16, generator=gen).half()
+    value_cache[high_ids] = torch.randn(5, 16, 1, 16, generator=gen).half()
+    table = torch.tensor([[HIGH + 40, HIGH + 3, HIGH + 60], [HIGH + 17, HIGH + 41, -1]], dtype=torch.int32)
+    context_lens = torch.tensor([40, 32], dtype=torch.int32)
+    query = torch.randn(2, 2, 16, generator=gen).half()
+    expected = dense_attention(query, key_cache, value_cache, table, context_lens, 0.25)
+    for num_splits in (1, 2):
+        got = kernels.paged_decode_attention(query, key_cache, value_cache, table, context_lens, 0.25,
+                                             num_splits=num_splits)
+        torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_cpu_dispatch_follows_the_variable_per_call(monkeypatch):
+    """On CPU tensors, TRITON_INTERPRET picks the Triton kernel or the reference at each call."""
+    use_interpreter(monkeypatch)
+    case = make_case([5, 20], num_kv_heads=1, group=2, head_dim=16, block_size=8, dtype=torch.float32)
+    expected = dense_attention(*case, 0.25)
+    for mode in ("1", "0", "1"):
+        monkeypatch.setenv("TRITON_INTERPRET", mode)
+        torch.testing.assert_close(kernels.paged_decode_attention(*case, 0.25, num_splits=2), expected,
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_split_heuristic():
+    # Plenty of programs already (128 seqs x 8 kv heads, 4 per SM on 132 SMs): no split.
+    assert pick_num_splits(128, 8, 4096, 132) == 1
+    # One long sequence: split it, but never below 256 tokens per split.
+    assert pick_num_splits(1, 1, 4096, 132) == 16
+    assert pick_num_splits(1, 1, 300, 132) == 2
+    # More SMs or fewer sequences never mean fewer splits; the cap holds.
+    assert pick_num_splits(32, 3, 4096, 132) <= pick_num_splits(8, 3, 4096, 132) <= 32
+    assert pick_num_splits(1, 1, 1 << 20, 1024) == 32
+    assert pick_num_splits(4, 2, 1, 132) == 1
+
+
+def test_rejects_bad_arguments():
+    query, key_cache, value_cache, table, lens = make_case([4], num_kv_heads=2, group=2, head_dim=16,
+                                                           block_size=8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="dtype"):
+        kernels.paged_decode_attention(query.half(), key_cache, value_cache, table, lens, 1.0)
+    with pytest.raises(ValueError, match="int32"):
+        kernels.paged_decode_attention(query, key_cache, value_cache, table.long(), lens, 1.0)
+    with pytest.raises(ValueError, match="multiple"):
+        kernels.paged_decode_attention(query[:, :3], key_cache, value_cache, table, lens, 1.0)
+    with pytest.raises(ValueError, match="out"):
+        kernels.paged_decode_attention(query, key_cache, value_cache, table, lens, 1.0, out=query[:, :1])
