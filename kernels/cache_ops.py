@@ -43,20 +43,19 @@ def _store_kv_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-    heads = tl.arange(0, KV_HEADS_PAD)[:, None]
-    cols = tl.arange(0, HEAD_DIM_PAD)[None, :]
-    # A negative slot masks every lane: the token is neither read nor written.
-    mask = (slot >= 0) & (heads < NUM_KV_HEADS) & (cols < HEAD_DIM)
-    k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + cols * stride_kd, mask=mask)
-    v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + cols * stride_vd, mask=mask)
-    tl.store(
-        key_cache_ptr + block * stride_kcb + offset * stride_kct + heads * stride_kch + cols * stride_kcd, k, mask=mask
-    )
-    tl.store(
-        value_cache_ptr + block * stride_vcb + offset * stride_vct + heads * stride_vch + cols * stride_vcd, v, mask=mask
-    )
+    # A negative slot skips the token: it is neither read nor written.
+    if slot >= 0:
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        heads = tl.arange(0, KV_HEADS_PAD)[:, None]
+        cols = tl.arange(0, HEAD_DIM_PAD)[None, :]
+        mask = (heads < NUM_KV_HEADS) & (cols < HEAD_DIM)
+        k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + cols * stride_kd, mask=mask)
+        v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + cols * stride_vd, mask=mask)
+        k_dst = key_cache_ptr + block * stride_kcb + offset * stride_kct + heads * stride_kch + cols * stride_kcd
+        v_dst = value_cache_ptr + block * stride_vcb + offset * stride_vct + heads * stride_vch + cols * stride_vcd
+        tl.store(k_dst, k, mask=mask)
+        tl.store(v_dst, v, mask=mask)
 
 
 @jit

@@ -1,4 +1,4 @@
-"""The Triton paged decode kernel against the torch reference and dense SDPA.
+"""The Triton kernels: paged decode against the torch reference and dense SDPA; store and copy.
 
 On CPU the kernel runs under Triton's interpreter (about 1000x slower than compiled code),
 so the cases are small. With a GPU, the same tests run compiled on CUDA instead.
@@ -240,3 +240,64 @@ def test_rejects_bad_arguments():
         kernels.paged_decode_attention(query[:, :3], key_cache, value_cache, table, lens, 1.0)
     with pytest.raises(ValueError, match="out"):
         kernels.paged_decode_attention(query, key_cache, value_cache, table, lens, 1.0, out=query[:, :1])
+
+
+def random_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return tuple(torch.randn(shape, generator=gen).to(dtype).to(device) for _ in range(2))
+
+
+@pytest.mark.parametrize("dtype,block_size,num_kv_heads,head_dim", [
+    (torch.float32, 8, 3, 80),
+    (torch.bfloat16, 16, 2, 64),
+    (torch.float16, 64, 1, 96),
+    (torch.bfloat16, 32, 4, 16),
+])
+def test_store_kv_matches_reference(device, dtype, block_size, num_kv_heads, head_dim):
+    caches = random_caches(5, block_size, num_kv_heads, head_dim, dtype, device)
+    gen = torch.Generator().manual_seed(1)
+    num_tokens = 7
+    # fp32 input, non-contiguous: the cast to the cache dtype happens on the way in.
+    key = torch.randn(num_kv_heads, num_tokens, head_dim, generator=gen).transpose(0, 1).to(device)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(device)
+    slots = torch.randperm(5 * block_size, generator=gen)[:num_tokens]
+    slots[[1, 4]] = -1  # skipped tokens
+    slots = slots.to(device)
+    expected = tuple(c.clone() for c in caches)
+    reference.store_kv(key, value, *expected, slots)
+    kernels.store_kv(key, value, *caches, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    kept = slots >= 0
+    assert torch.equal(caches[0].flatten(0, 1)[slots[kept]], key[kept].to(dtype))
+
+
+@pytest.mark.parametrize("dtype,block_size,num_kv_heads,head_dim", [
+    (torch.float32, 8, 3, 80),
+    (torch.bfloat16, 64, 2, 96),
+])
+def test_copy_blocks_matches_reference(device, dtype, block_size, num_kv_heads, head_dim):
+    caches = random_caches(7, block_size, num_kv_heads, head_dim, dtype, device)
+    src = torch.tensor([2, 0, 6], device=device)
+    dst = torch.tensor([5, 3, 1], device=device)
+    expected = tuple(c.clone() for c in caches)
+    reference.copy_blocks(*expected, src, dst)
+    kernels.copy_blocks(*caches, src, dst)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    assert torch.equal(caches[1][5], caches[1][2])
+
+
+def test_store_and_copy_beyond_int32(big_pool):
+    """Slots and block ids whose element offsets pass 2^32 (see BIG_POOL_SHAPE)."""
+    key_cache, value_cache = big_pool[:, 0], big_pool[:, 1]
+    gen = torch.Generator().manual_seed(2)
+    key, value = torch.randn(3, 1, 16, generator=gen), torch.randn(3, 1, 16, generator=gen)
+    slots = torch.tensor([(HIGH + 9) * 16 + 5, -1, (HIGH + 9) * 16 + 15])
+    kernels.store_kv(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache[HIGH + 9, 5], key[0].half())
+    assert torch.equal(value_cache[HIGH + 9, 15], value[2].half())
+    assert key_cache[9].count_nonzero() == 0  # where int32 offsets would have wrapped to
+    kernels.copy_blocks(key_cache, value_cache, torch.tensor([HIGH + 9]), torch.tensor([HIGH + 30]))
+    assert torch.equal(key_cache[HIGH + 30], key_cache[HIGH + 9])
+    assert torch.equal(value_cache[HIGH + 30], value_cache[HIGH + 9])
+    assert key_cache[HIGH + 30].count_nonzero() > 0

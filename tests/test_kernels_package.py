@@ -1,0 +1,78 @@
+"""The `kernels` package as the engine and transformers see it: cheap import, CPU dispatch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from packaging.version import Version
+
+import kernels
+from kernels import reference
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_python(code: str) -> str:
+    """Run code in a fresh interpreter at the repository root, without TRITON_INTERPRET."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_version_stays_below_what_transformers_accepts():
+    assert Version(kernels.__version__) < Version("0.18")
+
+
+def test_import_is_cheap():
+    out = run_python("import sys, kernels; print('torch' in sys.modules, 'triton' in sys.modules)")
+    assert out.split() == ["False", "False"]
+
+
+def test_transformers_does_not_take_it_for_hf_kernels():
+    out = run_python(
+        "import importlib.util, transformers\n"
+        "from transformers.utils import is_kernels_available\n"
+        "print(importlib.util.find_spec('kernels').origin)\n"
+        "print(is_kernels_available())\n"
+    )
+    origin, available = out.split()
+    assert Path(origin) == REPO / "kernels" / "__init__.py"
+    assert available == "False"
+
+
+def test_cpu_calls_run_the_reference_without_triton():
+    out = run_python(
+        "import sys, torch, kernels\n"
+        "from kernels import reference\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "kc, vc = torch.randn(6, 8, 2, 16, generator=g), torch.randn(6, 8, 2, 16, generator=g)\n"
+        "q = torch.randn(2, 4, 16, generator=g)\n"
+        "bt = torch.tensor([[3, 1, -9], [5, 99, 99]], dtype=torch.int32)\n"
+        "lens = torch.tensor([11, 8], dtype=torch.int32)\n"
+        "same = torch.equal(kernels.paged_decode_attention(q, kc, vc, bt, lens, 0.25),\n"
+        "                   reference.paged_decode_attention(q, kc, vc, bt, lens, 0.25))\n"
+        "k, v = torch.randn(2, 2, 16, generator=g), torch.randn(2, 2, 16, generator=g)\n"
+        "kernels.store_kv(k, v, kc, vc, torch.tensor([0, -1]))\n"
+        "kernels.copy_blocks(kc, vc, torch.tensor([0]), torch.tensor([4]))\n"
+        "stored = torch.equal(kc[4, 0], k[0]) and torch.equal(vc[4, 0], v[0])\n"
+        "print(same, stored, 'triton' in sys.modules)\n"
+    )
+    assert out.split() == ["True", "True", "False"]
+
+
+def test_out_is_filled_on_the_reference_path(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    gen = torch.Generator().manual_seed(3)
+    key_cache, value_cache = torch.randn(4, 16, 1, 32, generator=gen), torch.randn(4, 16, 1, 32, generator=gen)
+    query = torch.randn(1, 3, 32, generator=gen)
+    table, lens = torch.tensor([[2, 0]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
+    out = torch.empty(1, 3, 32)
+    got = kernels.paged_decode_attention(query, key_cache, value_cache, table, lens, 0.2, out=out)
+    assert got is out
+    assert torch.equal(out, reference.paged_decode_attention(query, key_cache, value_cache, table, lens, 0.2))
