@@ -17,3 +17,46 @@ def default_model_dir() -> Path:
 
     path, _ = fetch_default_model(Settings().cache_dir)
     return path
+
+
+@pytest.fixture(scope="session")
+def loaded_fp32(default_model_dir: Path):
+    """The default model in float32 with the paged attention, loaded once."""
+    import torch
+
+    from chatcore.config import Settings
+    from chatcore.models.loader import load_model
+
+    torch.set_num_threads(2)
+    return load_model(Settings(dtype="float32"))
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_model_dir: Path):
+    """The same weights through plain transformers (its own attention and cache): the reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def make_core(loaded_fp32):
+    """Build engine cores over the shared fp32 model; at teardown each must audit clean and idle."""
+    from chatcore.cache import audit
+    from chatcore.config import Settings
+    from chatcore.engine.core import EngineCore
+
+    cores = []
+
+    def factory(**overrides):
+        settings = Settings(**{"dtype": "float32", "num_blocks": 512, "debug_audit": True, **overrides})
+        core = EngineCore(loaded_fp32, settings)
+        cores.append(core)
+        return core
+
+    yield factory
+    for core in cores:
+        report = audit(core.pool)
+        assert report.ok, report.format()
+        assert report.used == 0, f"blocks still in use after the test:\n{report.format()}"

@@ -81,12 +81,13 @@ class EngineCore:
             raise
         self.requests[req.request_id] = req
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestOutput | None:
+        """End a request in any state (waiting, prefilling, decoding, preempted)."""
         req = self.requests.get(request_id)
         if req is None:
             return None
         for seq in req.live_seqs:
-            seq.finish_reason = FinishReason.ABORT
+            seq.finish_reason = reason
         return self._finish(req)
 
     @property

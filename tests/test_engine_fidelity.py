@@ -1,0 +1,84 @@
+"""Greedy and beam outputs of the paged engine equal plain transformers, token for token (fp32)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from chatcore.engine.request import SamplingParams
+from tests.engine_helpers import LONG_SYSTEM, QUESTIONS, chat_ids, hf_beam, hf_greedy, run_to_end
+
+pytestmark = pytest.mark.model
+MAX_TOKENS = [12, 20, 8, 16, 24, 10, 18, 14]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model):
+    @functools.cache
+    def greedy(prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
+        return hf_greedy(hf_model, list(prompt), max_new_tokens)
+
+    return greedy
+
+
+def _check_all(core, requests, reference, prompts):
+    finals = run_to_end(core)
+    for req, prompt, max_tokens in zip(requests, prompts, MAX_TOKENS, strict=True):
+        out = finals[req.request_id]
+        assert out.error is None
+        assert out.outputs[0].token_ids == reference(tuple(prompt), max_tokens), req.request_id
+    return finals
+
+
+def test_concurrent_staggered_arrivals_match_transformers(make_core, loaded_fp32, reference) -> None:
+    core = make_core()
+    prompts = [chat_ids(loaded_fp32.tokenizer, q) for q in QUESTIONS]
+    requests = [core.make_request(p, SamplingParams(max_tokens=m)) for p, m in zip(prompts, MAX_TOKENS, strict=True)]
+    for req in requests[:3]:
+        core.add(req)
+    core.step()
+    core.step()
+    for req in requests[3:6]:
+        core.add(req)
+    core.step()
+    for req in requests[6:]:
+        core.add(req)
+    _check_all(core, requests, reference, prompts)
+
+
+def test_shared_system_prompt_hits_the_prefix_cache(make_core, loaded_fp32, reference) -> None:
+    core = make_core()
+    prompts = [chat_ids(loaded_fp32.tokenizer, q, LONG_SYSTEM) for q in QUESTIONS]
+    requests = [core.make_request(p, SamplingParams(max_tokens=m)) for p, m in zip(prompts, MAX_TOKENS, strict=True)]
+    core.add(requests[0])
+    core.step()  # the first prompt is computed and its full blocks hashed
+    for req in requests[1:]:
+        core.add(req)
+    finals = _check_all(core, requests, reference, prompts)
+    shared = len(chat_ids(loaded_fp32.tokenizer, "", LONG_SYSTEM)) - 8
+    shared_blocks = shared // core.pool.block_size
+    assert finals[requests[0].request_id].usage.cached_tokens == 0
+    for req in requests[1:]:
+        assert finals[req.request_id].usage.cached_tokens >= shared_blocks * core.pool.block_size
+
+
+def test_small_pool_preempts_and_still_matches(make_core, loaded_fp32, reference) -> None:
+    core = make_core(num_blocks=20, block_size=8, low_watermark=0.0)
+    prompts = [chat_ids(loaded_fp32.tokenizer, q) for q in QUESTIONS]
+    requests = [core.make_request(p, SamplingParams(max_tokens=m)) for p, m in zip(prompts, MAX_TOKENS, strict=True)]
+    for req in requests:
+        core.add(req)
+    _check_all(core, requests, reference, prompts)
+    assert core.scheduler.preemptions > 0
+
+
+@pytest.mark.parametrize("question", QUESTIONS[:3])
+def test_beam_search_matches_transformers(make_core, loaded_fp32, hf_model, question: str) -> None:
+    core = make_core()
+    prompt = chat_ids(loaded_fp32.tokenizer, question)
+    req = core.make_request(prompt, SamplingParams(max_tokens=20, beam_width=4))
+    core.add(req)
+    out = run_to_end(core)[req.request_id]
+    eos = loaded_fp32.tokenizer.eos_token_id
+    assert out.outputs[0].token_ids == hf_beam(hf_model, prompt, 20, 4, eos)
