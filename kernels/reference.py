@@ -10,8 +10,43 @@ Arguments are not validated here; `kernels.*` validates them before dispatching.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
+
+
+class _GatherBuffers(threading.local):
+    """Per-thread buffers the CPU decode path gathers K and V into, reused across calls.
+
+    A decode step gathers ~100 MB of K/V per layer; into freshly allocated memory, the page
+    faults cost more than the copy (the reference ran 2-2.5x slower, docs/kernels.md).
+    Buffers grow geometrically and are never shrunk or freed: the memory held is the largest
+    gather seen per (dtype, block shape). A result never aliases them (SDPA returns a new
+    tensor), and they are not used when autograd could save the gathered K/V for backward.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+
+    def take(self, slot: int, cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        """A contiguous [num_blocks, *block shape] buffer, valid until `slot` is taken again."""
+        key = (slot, cache.dtype, tuple(cache.shape[1:]))
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.shape[0] < num_blocks:
+            rows = max(num_blocks, 0 if buffer is None else buffer.shape[0] * 3 // 2)
+            buffer = self.buffers[key] = cache.new_empty((rows, *cache.shape[1:]))
+        return buffer[:num_blocks]
+
+
+_buffers = _GatherBuffers()
+
+
+def _gather_blocks(cache: torch.Tensor, table: torch.Tensor, slot: int, reuse: bool) -> torch.Tensor:
+    """cache[table] for a flat table of block ids: [len(table), block_size, KVH, D]."""
+    if not reuse:
+        return cache.index_select(0, table)
+    return torch.index_select(cache, 0, table, out=_buffers.take(slot, cache, table.numel()))
 
 
 def paged_decode_attention(
@@ -46,11 +81,13 @@ def paged_decode_attention(
 
     positions = torch.arange(span, device=query.device)
     valid = positions < context_lens[:, None]  # [S, span]
-    table = block_tables[:, :num_blocks].long().masked_fill(~valid[:, ::block_size], 0)
+    table = block_tables[:, :num_blocks].long().masked_fill(~valid[:, ::block_size], 0).flatten()
 
-    # [S, num_blocks, block_size, KVH, D] -> [S, KVH, span, D] as a view (no copy).
-    keys = key_cache[table].view(num_seqs, span, num_kv_heads, head_dim).transpose(1, 2)
-    values = value_cache[table].view(num_seqs, span, num_kv_heads, head_dim).transpose(1, 2)
+    reuse = query.device.type == "cpu" and not (torch.is_grad_enabled() and query.requires_grad)
+    # [S * num_blocks, block_size, KVH, D] -> [S, KVH, span, D] as a view (no copy).
+    shape = (num_seqs, span, num_kv_heads, head_dim)
+    keys = _gather_blocks(key_cache, table, 0, reuse).view(shape).transpose(1, 2)
+    values = _gather_blocks(value_cache, table, 1, reuse).view(shape).transpose(1, 2)
     # GQA: the query heads sharing a kv head become the rows of one attention problem.
     grouped = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=valid[:, None, None, :], scale=scale)

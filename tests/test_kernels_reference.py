@@ -83,6 +83,35 @@ def test_decode_context_zero_gives_zeros():
     assert torch.equal(empty, torch.zeros(2, 1, 16))
 
 
+def test_results_do_not_alias_the_reused_gather_buffers():
+    small = make_case([5, 30], num_kv_heads=1, group=3, head_dim=16, block_size=8, dtype=torch.float32, seed=1)
+    large = make_case([90, 64, 3], num_kv_heads=1, group=3, head_dim=16, block_size=8, dtype=torch.float32, seed=2)
+    first = reference.paged_decode_attention(*small, 0.25)
+    snapshot = first.clone()
+    reference.paged_decode_attention(*large, 0.25)
+    reference.paged_decode_attention(*small, 0.25)
+    assert torch.equal(first, snapshot)
+
+
+def test_gradients_survive_a_later_call():
+    """With autograd on, the gathered K/V saved for backward must not be reused buffers."""
+    query, *rest = make_case([7, 40], num_kv_heads=2, group=2, head_dim=16, block_size=8, dtype=torch.float32)
+    query.requires_grad_(True)
+    weights = torch.randn(query.shape, generator=torch.Generator().manual_seed(5))
+    (reference.paged_decode_attention(query, *rest, 0.3) * weights).sum().backward()
+    expected = query.grad.clone()
+    query.grad = None
+    loss = (reference.paged_decode_attention(query, *rest, 0.3) * weights).sum()
+    # Same shapes: a reused gather buffer would be overwritten before backward reads it.
+    other = make_case([40, 7], num_kv_heads=2, group=2, head_dim=16, block_size=8, dtype=torch.float32, seed=9)
+    reference.paged_decode_attention(*other, 0.3)
+    loss.backward()
+    torch.testing.assert_close(query.grad, expected, atol=0, rtol=0)
+    dense_query = query.detach().clone().requires_grad_(True)
+    (dense_attention(dense_query, *rest, 0.3) * weights).sum().backward()
+    torch.testing.assert_close(query.grad, dense_query.grad, atol=1e-5, rtol=1e-5)
+
+
 def test_store_kv_writes_slots_and_skips_negative():
     key_cache = torch.zeros(4, 8, 2, 16)
     value_cache = torch.zeros(4, 8, 2, 16)
