@@ -1,0 +1,204 @@
+"""Parallel samples, aborts in every state, oversubscription and the async front (fp32, default model)."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+
+import pytest
+
+from chatcore.cache import audit
+from chatcore.engine.engine import AsyncEngine
+from chatcore.engine.request import RequestState, SamplingParams
+from chatcore.engine.scheduler import RequestRejected
+from tests.engine_helpers import LONG_SYSTEM, QUESTIONS, chat_ids, run_to_end
+
+pytestmark = pytest.mark.model
+
+
+def test_n4_samples_share_the_prompt_and_are_reproducible(make_core, loaded_fp32) -> None:
+    core = make_core()
+    bs = core.pool.block_size
+    prompt = chat_ids(loaded_fp32.tokenizer, QUESTIONS[1], LONG_SYSTEM)
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234, n=4, ignore_eos=True)
+    peak: dict[str, int] = {"used": 0, "checked": 0}
+
+    def watch(plan) -> None:
+        report = audit(core.pool)
+        peak["used"] = max(peak["used"], report.used)
+        live = [s for r in core.scheduler.running for s in r.live_seqs]
+        if len(live) == 4 and all(s.table is not None for s in live):
+            full_prompt_blocks = len(prompt) // bs
+            for block_id in live[0].table.block_ids[:full_prompt_blocks]:
+                assert report.refs[block_id] == 4
+            peak["checked"] += 1
+
+    core.on_step.append(watch)
+    runs = []
+    for _ in range(2):
+        req = core.make_request(prompt, params)
+        core.add(req)
+        runs.append(run_to_end(core)[req.request_id])
+    core.on_step.clear()
+    texts = [[o.token_ids for o in run.outputs] for run in runs]
+    assert texts[0] == texts[1]
+    assert len({tuple(ids) for ids in texts[0]}) > 1  # the four samples differ
+    assert peak["checked"] > 0
+    prompt_blocks = -(-len(prompt) // bs)
+    generated_blocks = -(-24 // bs)
+    assert peak["used"] <= prompt_blocks + 4 * (generated_blocks + 1)
+
+
+def _prompt(core, loaded_fp32, i: int, max_tokens: int = 16):
+    return core.make_request(chat_ids(loaded_fp32.tokenizer, QUESTIONS[i % len(QUESTIONS)]),
+                             SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def _assert_idle(core) -> None:
+    report = audit(core.pool)
+    assert report.ok, report.format()
+    assert report.used == 0 and not core.requests, report.format()
+
+
+def test_abort_while_waiting(make_core, loaded_fp32) -> None:
+    core = make_core()
+    req = _prompt(core, loaded_fp32, 0)
+    core.add(req)
+    out = core.abort(req.request_id)
+    assert out is not None and out.finished and out.outputs[0].finish_reason == "cancelled"
+    _assert_idle(core)
+
+
+def test_abort_while_prefilling(make_core, loaded_fp32) -> None:
+    core = make_core(max_batch_tokens=16)
+    req = core.make_request(chat_ids(loaded_fp32.tokenizer, QUESTIONS[0], LONG_SYSTEM), SamplingParams(max_tokens=8))
+    core.add(req)
+    core.step()
+    seq = req.seqs[0]
+    assert req.state is RequestState.RUNNING and 0 < seq.num_computed < len(seq.tokens) - 1
+    assert audit(core.pool).used > 0
+    core.abort(req.request_id)
+    _assert_idle(core)
+
+
+def test_abort_while_decoding(make_core, loaded_fp32) -> None:
+    core = make_core()
+    req = _prompt(core, loaded_fp32, 1, max_tokens=32)
+    core.add(req)
+    while req.seqs[0].num_generated < 3:
+        core.step()
+    out = core.abort(req.request_id)
+    assert out.outputs[0].finish_reason == "cancelled" and len(out.outputs[0].token_ids) >= 3
+    _assert_idle(core)
+
+
+def test_abort_while_preempted(make_core, loaded_fp32) -> None:
+    core = make_core(num_blocks=20, block_size=8, low_watermark=0.0)
+    requests = [_prompt(core, loaded_fp32, i, max_tokens=24) for i in range(6)]
+    for req in requests:
+        core.add(req)
+    preempted = None
+    for _ in range(200):
+        core.step()
+        preempted = next((r for r in requests if r.preemptions and r.state is RequestState.WAITING), None)
+        if preempted:
+            break
+    assert preempted is not None, "no request was preempted"
+    core.abort(preempted.request_id)
+    assert audit(core.pool).ok
+    run_to_end(core)
+    _assert_idle(core)
+
+
+def test_threefold_oversubscription_finishes_or_fails_clearly(make_core, loaded_fp32) -> None:
+    core = make_core(num_blocks=24, block_size=8, max_queue_wait_s=60)
+    # Each request may need prompt (~5 blocks) + 32 tokens (4 blocks): 12 of them ask 3x the pool.
+    requests = [_prompt(core, loaded_fp32, i, max_tokens=32) for i in range(12)]
+    for req in requests:
+        core.add(req)
+    finals = run_to_end(core, max_steps=5000)
+    assert set(finals) == {r.request_id for r in requests}
+    for out in finals.values():
+        assert out.error is None and out.outputs[0].finish_reason == "length"
+    assert core.scheduler.preemptions > 0
+    _assert_idle(core)
+
+
+def test_requests_that_can_never_fit_are_rejected_at_once(make_core, loaded_fp32) -> None:
+    core = make_core(num_blocks=16, block_size=8)
+    prompt = chat_ids(loaded_fp32.tokenizer, QUESTIONS[0])
+    with pytest.raises(RequestRejected, match="KV blocks"):
+        core.add(core.make_request(prompt, SamplingParams(max_tokens=500)))
+    with pytest.raises(RequestRejected, match="context"):
+        core.add(core.make_request(prompt, SamplingParams(max_tokens=loaded_fp32.max_context)))
+    with pytest.raises(RequestRejected, match="empty"):
+        core.add(core.make_request([], SamplingParams(max_tokens=4)))
+    _assert_idle(core)
+
+
+def test_queue_wait_is_bounded(make_core, loaded_fp32) -> None:
+    core = make_core(num_blocks=16, block_size=8, max_queue_wait_s=0.2, low_watermark=0.0)
+    hog = core.make_request(chat_ids(loaded_fp32.tokenizer, QUESTIONS[0], LONG_SYSTEM[:200]),
+                            SamplingParams(max_tokens=30, ignore_eos=True))
+    core.add(hog)
+    core.step()
+    late = _prompt(core, loaded_fp32, 2)
+    core.add(late)
+    late.waiting_since -= 1.0  # as if it had waited longer than the bound
+    finals = run_to_end(core)
+    assert finals[late.request_id].outputs[0].finish_reason == "busy"
+    assert "max_queue_wait_s" in finals[late.request_id].error
+    assert finals[hog.request_id].outputs[0].finish_reason == "length"
+    _assert_idle(core)
+
+
+async def test_async_engine_streams_and_cancels(make_core, loaded_fp32) -> None:
+    engine = AsyncEngine(make_core())
+    engine.start()
+    try:
+        req = engine.make_request(engine.chat_prompt([{"role": "user", "content": QUESTIONS[0]}]),
+                                  SamplingParams(max_tokens=16))
+        texts = []
+        final = None
+        async for out in engine.generate(req):
+            texts.extend(d.text for d in out.deltas)
+            final = out
+        assert final is not None and final.finished
+        assert "".join(texts) == final.outputs[0].text and "Paris" in final.outputs[0].text
+        assert final.timings.ttft_ms is not None and final.timings.ttft_ms <= final.timings.total_ms
+
+        # Leaving a stream early aborts the request and releases its blocks.
+        slow = engine.make_request(engine.chat_prompt([{"role": "user", "content": QUESTIONS[1]}]),
+                                   SamplingParams(max_tokens=200, ignore_eos=True))
+        async with aclosing(engine.generate(slow)) as stream:
+            async for out in stream:
+                if out.deltas:
+                    break
+        assert await engine.call(lambda core: _wait_idle(core))
+
+        # A stream consumer cancelled mid-flight aborts too.
+        task_req = engine.make_request(engine.chat_prompt([{"role": "user", "content": QUESTIONS[2]}]),
+                                       SamplingParams(max_tokens=200, ignore_eos=True))
+        started = asyncio.Event()
+
+        async def consume() -> None:
+            async for _ in engine.generate(task_req):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await engine.call(lambda core: _wait_idle(core))
+
+        with pytest.raises(RequestRejected):
+            async for _ in engine.generate(engine.make_request([], SamplingParams())):
+                pass
+    finally:
+        engine.shutdown()
+
+
+def _wait_idle(core) -> bool:
+    """Runs on the engine thread: the abort command ran before this one, so nothing is left."""
+    return not core.requests and audit(core.pool).used == 0
