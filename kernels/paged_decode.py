@@ -31,7 +31,9 @@ from kernels._triton import interpreted, jit, require_launchable
 _LOG2E = math.log2(math.e)
 # Tokens per inner-loop tile when blocks are smaller than this (several blocks per tile).
 _TILE_TOKENS = 64
-# tl.dot needs at least 16 rows on a GPU; the group rows are padded (and masked) up to this.
+# The query tile's rows (the GQA group) are padded, masked, to one MMA tile height, and
+# head_dim to at least 16: a 16-bit tl.dot on a GPU needs its reduction dimension (head_dim
+# for q.k, TILE_N for p.v) >= 16. tests/test_kernels_triton.py compiles for sm_80/sm_90.
 _MIN_DOT_ROWS = 16
 _MIN_DOT_COLS = 16
 # Split heuristic: aim for this many programs per SM, never below this many tokens per split.

@@ -29,7 +29,9 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 
 import math  # noqa: E402
 import mmap  # noqa: E402
+import subprocess  # noqa: E402
 import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -301,3 +303,48 @@ def test_store_and_copy_beyond_int32(big_pool):
     assert torch.equal(key_cache[HIGH + 30], key_cache[HIGH + 9])
     assert torch.equal(value_cache[HIGH + 30], value_cache[HIGH + 9])
     assert key_cache[HIGH + 30].count_nonzero() > 0
+
+
+COMPILE_FOR_GPU = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import cache_ops, paged_decode
+
+def compile_kernel(kernel, pointers, constexprs):
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
+    source = ASTSource(fn=kernel, signature=signature,
+                       constexprs={(names.index(n),): v for n, v in constexprs.items()})
+    triton.compile(source, target=GPUTarget("cuda", int(sys.argv[1]), 32), options={"num_warps": 4})
+
+for dtype, splits in (("fp16", 1), ("bf16", 4), ("fp32", 4)):
+    io = {n: "*" + dtype for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
+    parts = {n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}
+    compile_kernel(paged_decode._decode_kernel, {**io, **parts, "block_tables_ptr": "*i32",
+                   "context_lens_ptr": "*i32", "scale_log2": "fp32"}, dict(GROUP=3, GROUP_PAD=16, HEAD_DIM=80, HEAD_DIM_PAD=128,
+                   BLOCK_SIZE=16, TILE_N=64, NUM_SPLITS=splits, DOT_FP32=dtype == "fp32"))
+compile_kernel(paged_decode._reduce_kernel, {**parts, "out_ptr": "*bf16"},
+               dict(HEAD_DIM=80, HEAD_DIM_PAD=128, NUM_SPLITS=5, SPLITS_PAD=8))
+row = dict(NUM_KV_HEADS=3, KV_HEADS_PAD=4, HEAD_DIM=80, HEAD_DIM_PAD=128, BLOCK_SIZE=16)
+compile_kernel(cache_ops._store_kv_kernel, {"key_ptr": "*fp16", "value_ptr": "*fp16", "key_cache_ptr": "*fp16",
+               "value_cache_ptr": "*fp16", "slot_mapping_ptr": "*i64"}, row)
+compile_kernel(cache_ops._copy_blocks_kernel, {"key_cache_ptr": "*fp16", "value_cache_ptr": "*fp16",
+               "src_ptr": "*i64", "dst_ptr": "*i64"}, row)
+print("compiled")
+"""
+
+
+@pytest.mark.parametrize("capability", [80, 90])
+def test_kernels_compile_for_gpus(capability):
+    """Compile (no launch: no GPU needed) for Ampere and Hopper, which the interpreter cannot check:
+    tl.dot's minimum shapes, dtypes of the MMA operands, shared memory. A fresh process, because
+    this one's triton may be in interpreter mode."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    repo = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPU, str(capability)], cwd=repo, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["compiled"]
