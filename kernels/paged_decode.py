@@ -189,14 +189,17 @@ def _reduce_kernel(
 
     m = tl.load(part_m_ptr + part, mask=split_ok, other=float("-inf"))
     l = tl.load(part_l_ptr + part, mask=split_ok, other=0.0)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + cols[None, :], mask=split_ok[:, None] & col_ok[None, :], other=0.0)
+    acc = tl.load(
+        part_acc_ptr + part[:, None] * HEAD_DIM + cols[None, :], mask=split_ok[:, None] & col_ok[None, :], other=0.0
+    )
     m_max = tl.max(m, 0)
     # All splits empty (context 0): use 0 as the reference so exp2(-inf - 0) = 0, not NaN.
     m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
     weight = tl.exp2(m - m_ref)
     denom = tl.sum(weight * l, 0)
     o = tl.sum(acc * weight[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + cols * stride_od, o.to(out_ptr.dtype.element_ty), mask=col_ok)
+    out = out_ptr + seq * stride_os + head * stride_oh + cols * stride_od
+    tl.store(out, o.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 @functools.lru_cache(maxsize=None)

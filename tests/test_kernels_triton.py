@@ -323,8 +323,9 @@ for dtype, splits in (("fp16", 1), ("bf16", 4), ("fp32", 4)):
     io = {n: "*" + dtype for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
     parts = {n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}
     compile_kernel(paged_decode._decode_kernel, {**io, **parts, "block_tables_ptr": "*i32",
-                   "context_lens_ptr": "*i32", "scale_log2": "fp32"}, dict(GROUP=3, GROUP_PAD=16, HEAD_DIM=80, HEAD_DIM_PAD=128,
-                   BLOCK_SIZE=16, TILE_N=64, NUM_SPLITS=splits, DOT_FP32=dtype == "fp32"))
+                   "context_lens_ptr": "*i32", "scale_log2": "fp32"},
+                   dict(GROUP=3, GROUP_PAD=16, HEAD_DIM=80, HEAD_DIM_PAD=128, BLOCK_SIZE=16, TILE_N=64,
+                        NUM_SPLITS=splits, DOT_FP32=dtype == "fp32"))
 compile_kernel(paged_decode._reduce_kernel, {**parts, "out_ptr": "*bf16"},
                dict(HEAD_DIM=80, HEAD_DIM_PAD=128, NUM_SPLITS=5, SPLITS_PAD=8))
 row = dict(NUM_KV_HEADS=3, KV_HEADS_PAD=4, HEAD_DIM=80, HEAD_DIM_PAD=128, BLOCK_SIZE=16)
