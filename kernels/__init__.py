@@ -1,9 +1,9 @@
 """Paged attention kernels (Triton) and their torch references.
 
 The engine calls these three functions and nothing else. Each runs the Triton kernel on CUDA
-tensors, and on CPU tensors while `TRITON_INTERPRET=1` is set (checked per call; triton itself
-must have been imported with it set, see kernels/_triton.py); otherwise it runs the torch
-reference in `kernels.reference`, which is the engine's CPU path. Layouts: query [S, H, D]; key_cache and value_cache
+tensors, and in Triton's interpreter on CPU tensors while `TRITON_INTERPRET=1` is set (checked
+at every call, whenever triton was imported: see kernels/_triton.py); otherwise it runs the
+torch reference in `kernels.reference`, which is the engine's CPU path. Layouts: query [S, H, D]; key_cache and value_cache
 [num_blocks, block_size, KVH, D]; block_tables int32 [S, max_blocks]; context_lens int32 [S].
 
 Importing this package imports neither torch nor triton (transformers probes for a package

@@ -1,11 +1,19 @@
-"""How the kernels are jitted, and the one mode they can run in.
+"""Jitting the kernels so that the Triton interpreter is chosen per launch.
 
-Triton's interpreter mode is process-wide and fixed when triton is first imported: Triton
-3.9 reads `TRITON_INTERPRET` inside `triton.jit`, and its own standard library (`tl.sum`,
-`tl.max`, `tl.cdiv`, ...) is decorated at `import triton`. A kernel jitted in the other mode
-cannot call those functions. So `jit` follows the standard library's mode, whatever the
-environment says later, and `require_launchable` turns a CPU launch without the
-interpreter (which Triton would report as "0 active drivers") into an explanation.
+Triton 3.9 decides between compiled and interpreted inside `triton.jit`, reading
+`TRITON_INTERPRET` at that moment, and it jits its own standard library (`tl.sum`, `tl.max`,
+`tl.cdiv`, `tl.zeros`, ...) during `import triton`. Whoever imports triton first therefore
+fixes the mode of those functions for the whole process; in a test session that is often
+`torch._dynamo`, which imports triton while probing for it. An interpreted kernel cannot call
+a library function that was jitted compiled ("Cannot call @triton.jit'd outside of the scope
+of a kernel"). So our kernels:
+
+- are jitted at their first launch in each mode, following `TRITON_INTERPRET` at launch time
+  (`LazyKernel`), not at import;
+- call only Triton builtins, which the interpreter patches in at every launch, plus
+  `tl.reduce` with the combine functions below. Those are compiled-mode `JITFunction`s, which
+  the compiler needs, and the interpreter calls them as plain Python (`.fn`), whatever mode
+  triton was imported in.
 """
 
 from __future__ import annotations
@@ -14,25 +22,44 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import triton.language.standard as _tl_standard
+import triton
+import triton.language as tl
 from triton.runtime import JITFunction
 from triton.runtime.interpreter import InterpretedFunction
 
 
 def interpreted() -> bool:
-    """Whether this process imported triton in interpreter mode."""
-    return isinstance(_tl_standard.cdiv, InterpretedFunction)
+    """Whether a launch now would run in Triton's interpreter (`TRITON_INTERPRET`, as Triton reads it)."""
+    return bool(triton.knobs.runtime.interpret)
 
 
-def jit(fn: Callable[..., None]) -> Any:
-    """`triton.jit`, in the mode triton itself was imported in."""
-    return InterpretedFunction(fn) if interpreted() else JITFunction(fn)
+class LazyKernel:
+    """A Triton kernel jitted at its first launch in each mode; launch as `kernel[grid](...)`."""
+
+    def __init__(self, fn: Callable[..., None]) -> None:
+        self.fn = fn
+        self._jitted: dict[bool, Any] = {}
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., Any]:
+        mode = interpreted()
+        kernel = self._jitted.get(mode)
+        if kernel is None:
+            kernel = self._jitted[mode] = InterpretedFunction(self.fn) if mode else JITFunction(self.fn)
+        return kernel[grid]
 
 
 def require_launchable(tensor: torch.Tensor) -> None:
     if not tensor.is_cuda and not interpreted():
-        raise RuntimeError(
-            "the Triton kernels run on CPU tensors only under Triton's interpreter, and this "
-            "process imported triton without it: set TRITON_INTERPRET=1 before triton is first imported"
-        )
+        raise RuntimeError("the Triton kernels run on CPU tensors only in Triton's interpreter (TRITON_INTERPRET=1)")
 
+
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+def _add(a, b):
+    return a + b
+
+
+max_combine = JITFunction(_max)
+sum_combine = JITFunction(_add)

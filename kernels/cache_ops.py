@@ -11,10 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import jit, require_launchable
+from kernels._triton import LazyKernel, require_launchable
 
 
-@jit
 def _store_kv_kernel(
     key_ptr,
     value_ptr,
@@ -58,7 +57,6 @@ def _store_kv_kernel(
         tl.store(v_dst, v, mask=mask)
 
 
-@jit
 def _copy_blocks_kernel(
     key_cache_ptr,
     value_cache_ptr,
@@ -93,6 +91,10 @@ def _copy_blocks_kernel(
         tl.store(value_cache_ptr + dst * stride_vb + slot * stride_vt + v_row, v, mask=mask)
 
 
+_store_kv = LazyKernel(_store_kv_kernel)
+_copy_blocks = LazyKernel(_copy_blocks_kernel)
+
+
 def _row_meta(cache: torch.Tensor) -> dict[str, int]:
     _, block_size, num_kv_heads, head_dim = cache.shape
     return {
@@ -118,7 +120,7 @@ def store_kv(
     # Cast on the host: the kernel then copies bits, and no rounding mode is involved.
     key = key.to(key_cache.dtype)
     value = value.to(value_cache.dtype)
-    _store_kv_kernel[(key.shape[0],)](
+    _store_kv[(key.shape[0],)](
         key,
         value,
         key_cache,
@@ -138,7 +140,7 @@ def copy_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, src: torch.T
     require_launchable(key_cache)
     if src.shape[0] == 0:
         return
-    _copy_blocks_kernel[(src.shape[0],)](
+    _copy_blocks[(src.shape[0],)](
         key_cache,
         value_cache,
         src,

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import interpreted, jit, require_launchable
+from kernels._triton import LazyKernel, interpreted, max_combine, require_launchable, sum_combine
 
 _LOG2E = math.log2(math.e)
 # Tokens per inner-loop tile when blocks are smaller than this (several blocks per tile).
@@ -44,7 +44,6 @@ _MAX_SPLITS = 32
 _NOMINAL_SM_COUNT = 132
 
 
-@jit
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -101,13 +100,13 @@ def _decode_kernel(
         q = q.to(tl.float32)
 
     # This split's slice of the sequence: whole tiles, the context divided evenly.
-    tiles_per_split = tl.cdiv(tl.cdiv(context_len, TILE_N), NUM_SPLITS)
+    tiles_per_split = ((context_len + TILE_N - 1) // TILE_N + NUM_SPLITS - 1) // NUM_SPLITS
     start = split * tiles_per_split * TILE_N
     end = tl.minimum(context_len, start + tiles_per_split * TILE_N)
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    l = tl.full([GROUP_PAD], 0.0, tl.float32)
+    acc = tl.full([GROUP_PAD, HEAD_DIM_PAD], 0.0, tl.float32)
     tile = tl.arange(0, TILE_N)
     k_head = kv_head.to(tl.int64) * stride_kh
     v_head = kv_head.to(tl.int64) * stride_vh
@@ -137,10 +136,10 @@ def _decode_kernel(
             s = tl.dot(q, tl.trans(k))
         s = tl.where(tok_ok[None, :], s * scale_log2, float("-inf"))
         # Every tile holds at least one valid token, so m_new is finite.
-        m_new = tl.maximum(m, tl.max(s, 1))
+        m_new = tl.maximum(m, tl.reduce(s, 1, max_combine))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
+        l = l * alpha + tl.reduce(p, 1, sum_combine)
         if DOT_FP32:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -164,7 +163,6 @@ def _decode_kernel(
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + cols[None, :], acc, mask=out_mask)
 
 
-@jit
 def _reduce_kernel(
     part_acc_ptr,
     part_m_ptr,
@@ -177,29 +175,31 @@ def _reduce_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_PAD)
     cols = tl.arange(0, HEAD_DIM_PAD)
-    split_ok = splits < NUM_SPLITS
     col_ok = cols < HEAD_DIM
-    part = (seq * num_heads + head) * NUM_SPLITS + splits
+    first = (seq * num_heads + head) * NUM_SPLITS  # partials are [S, H, NUM_SPLITS(, HEAD_DIM)]
 
-    m = tl.load(part_m_ptr + part, mask=split_ok, other=float("-inf"))
-    l = tl.load(part_l_ptr + part, mask=split_ok, other=0.0)
-    acc = tl.load(
-        part_acc_ptr + part[:, None] * HEAD_DIM + cols[None, :], mask=split_ok[:, None] & col_ok[None, :], other=0.0
-    )
-    m_max = tl.max(m, 0)
+    m_max = tl.full([1], float("-inf"), tl.float32)
+    for split in range(NUM_SPLITS):
+        m_max = tl.maximum(m_max, tl.load(part_m_ptr + first + split))
     # All splits empty (context 0): use 0 as the reference so exp2(-inf - 0) = 0, not NaN.
     m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
-    weight = tl.exp2(m - m_ref)
-    denom = tl.sum(weight * l, 0)
-    o = tl.sum(acc * weight[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    denom = tl.full([1], 0.0, tl.float32)
+    o = tl.full([HEAD_DIM_PAD], 0.0, tl.float32)
+    for split in range(NUM_SPLITS):
+        weight = tl.exp2(tl.load(part_m_ptr + first + split) - m_ref)
+        denom += weight * tl.load(part_l_ptr + first + split)
+        o += weight * tl.load(part_acc_ptr + (first + split) * HEAD_DIM + cols, mask=col_ok, other=0.0)
+    o = o / tl.where(denom == 0.0, 1.0, denom)
     out = out_ptr + seq * stride_os + head * stride_oh + cols * stride_od
     tl.store(out, o.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+_decode = LazyKernel(_decode_kernel)
+_reduce = LazyKernel(_reduce_kernel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -253,7 +253,7 @@ def paged_decode_attention(
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
 
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    _decode[(num_seqs, num_kv_heads, num_splits)](
         query,
         key_cache,
         value_cache,
@@ -281,7 +281,7 @@ def paged_decode_attention(
         num_warps=4,
     )
     if num_splits > 1:
-        _reduce_kernel[(num_seqs, num_heads)](
+        _reduce[(num_seqs, num_heads)](
             part_acc,
             part_m,
             part_l,
@@ -291,8 +291,7 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
             NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-            num_warps=4,
+            num_warps=1,
         )
     return out
 

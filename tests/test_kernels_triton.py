@@ -1,63 +1,43 @@
 """The Triton kernels: paged decode against the torch reference and dense SDPA; store and copy.
 
-On CPU the kernel runs under Triton's interpreter (about 1000x slower than compiled code),
-so the cases are small. With a GPU, the same tests run compiled on CUDA instead.
+On CPU the kernels run in Triton's interpreter (about 1000x slower than compiled code), so
+the cases are small; with a GPU the same cases also run compiled on CUDA. TRITON_INTERPRET is
+set per test (monkeypatch), not at import: `kernels` picks the mode at each launch (see
+kernels/_triton.py), and a module-level assignment would leak into every test collected after
+this file, sending the engine's CPU calls through the interpreter.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
+import pytest
 import torch
+import torch.nn.functional as F
 
-# Triton's interpreter mode is process-wide, fixed at its first import (Triton 3.9 jits its
-# own standard library, tl.sum/tl.max/tl.cdiv, inside `import triton`, reading
-# TRITON_INTERPRET there). Without a GPU, import it in interpreter mode now, whichever test
-# module gets here first, then restore the variable: left set, it would send every later
-# test's CPU calls to kernels.* through the interpreter. The `device` fixture sets it per
-# test, which is what routes kernels.* on CPU tensors to the Triton kernels.
-if "triton" not in sys.modules and not torch.cuda.is_available():
-    _saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    import triton  # noqa: F401
+import kernels
+from kernels import reference
+from kernels.paged_decode import pick_num_splits
 
-    if _saved is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
-
-import math  # noqa: E402
-import mmap  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import kernels  # noqa: E402
-from kernels import reference  # noqa: E402
-from kernels._triton import interpreted  # noqa: E402
-from kernels.paged_decode import pick_num_splits  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
-
-
-def use_interpreter(monkeypatch) -> None:
-    if not interpreted():
-        if torch.cuda.is_available():
-            pytest.skip("triton runs compiled in this process (CUDA present); the cuda cases cover the kernel")
-        pytest.fail("triton was imported without TRITON_INTERPRET=1 before this module could set it")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(params=["cpu", "cuda"])
 def device(request, monkeypatch) -> str:
     if request.param == "cpu":
-        use_interpreter(monkeypatch)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     elif not torch.cuda.is_available():
         pytest.skip("no CUDA device")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     return request.param
 
 
@@ -187,7 +167,7 @@ BIG_POOL_SHAPE = (HIGH + 64, 2, 16, 1, 16)
 
 @pytest.fixture
 def big_pool(monkeypatch) -> torch.Tensor:
-    use_interpreter(monkeypatch)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     return sparse_tensor(BIG_POOL_SHAPE, torch.float16)
 
 
@@ -210,7 +190,6 @@ def test_block_offsets_beyond_int32(big_pool):
 
 def test_cpu_dispatch_follows_the_variable_per_call(monkeypatch):
     """On CPU tensors, TRITON_INTERPRET picks the Triton kernel or the reference at each call."""
-    use_interpreter(monkeypatch)
     case = make_case([5, 20], num_kv_heads=1, group=2, head_dim=16, block_size=8, dtype=torch.float32)
     expected = dense_attention(*case, 0.25)
     for mode in ("1", "0", "1"):
@@ -310,9 +289,11 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime import JITFunction
 from kernels import cache_ops, paged_decode
 
-def compile_kernel(kernel, pointers, constexprs):
+def compile_kernel(fn, pointers, constexprs):
+    kernel = JITFunction(fn)
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
     source = ASTSource(fn=kernel, signature=signature,
@@ -327,7 +308,7 @@ for dtype, splits in (("fp16", 1), ("bf16", 4), ("fp32", 4)):
                    dict(GROUP=3, GROUP_PAD=16, HEAD_DIM=80, HEAD_DIM_PAD=128, BLOCK_SIZE=16, TILE_N=64,
                         NUM_SPLITS=splits, DOT_FP32=dtype == "fp32"))
 compile_kernel(paged_decode._reduce_kernel, {**parts, "out_ptr": "*bf16"},
-               dict(HEAD_DIM=80, HEAD_DIM_PAD=128, NUM_SPLITS=5, SPLITS_PAD=8))
+               dict(HEAD_DIM=80, HEAD_DIM_PAD=128, NUM_SPLITS=5))
 row = dict(NUM_KV_HEADS=3, KV_HEADS_PAD=4, HEAD_DIM=80, HEAD_DIM_PAD=128, BLOCK_SIZE=16)
 compile_kernel(cache_ops._store_kv_kernel, {"key_ptr": "*fp16", "value_ptr": "*fp16", "key_cache_ptr": "*fp16",
                "value_cache_ptr": "*fp16", "slot_mapping_ptr": "*i64"}, row)
@@ -339,13 +320,36 @@ print("compiled")
 
 @pytest.mark.parametrize("capability", [80, 90])
 def test_kernels_compile_for_gpus(capability):
-    """Compile (no launch: no GPU needed) for Ampere and Hopper, which the interpreter cannot check:
-    tl.dot's minimum shapes, dtypes of the MMA operands, shared memory. A fresh process, because
-    this one's triton may be in interpreter mode."""
+    """Compile (no launch, so no GPU needed) for Ampere and Hopper: what the interpreter does not
+    check, such as tl.dot's minimum shapes, MMA operand dtypes and shared memory."""
+    assert run_python(COMPILE_FOR_GPU, str(capability)) == ["compiled"]
+
+
+def run_python(code: str, *args: str) -> list[str]:
+    """Run code in a fresh interpreter at the repository root, TRITON_INTERPRET unset; its stdout words."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    repo = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPU, str(capability)], cwd=repo, env=env,
-                            capture_output=True, text=True, timeout=300)
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # silences Triton 3.9's warning about the coming default
+    result = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["compiled"]
+    return result.stdout.split()
+
+
+def test_interpreter_works_after_triton_was_imported_compiled():
+    """torch._dynamo (and so a test session) may import triton before TRITON_INTERPRET is set."""
+    assert run_python("""
+import os, torch, triton
+import kernels
+from kernels import reference
+os.environ["TRITON_INTERPRET"] = "1"
+g = torch.Generator().manual_seed(0)
+kc, vc = torch.randn(6, 8, 2, 16, generator=g), torch.randn(6, 8, 2, 16, generator=g)
+q = torch.randn(2, 4, 16, generator=g)
+bt, lens = torch.tensor([[3, 1, 2], [5, 0, 4]], dtype=torch.int32), torch.tensor([20, 9], dtype=torch.int32)
+got = kernels.paged_decode_attention(q, kc, vc, bt, lens, 0.25, num_splits=2)
+print(torch.allclose(got, reference.paged_decode_attention(q, kc, vc, bt, lens, 0.25), atol=1e-5))
+k, v = torch.randn(2, 2, 16, generator=g), torch.randn(2, 2, 16, generator=g)
+kernels.store_kv(k, v, kc, vc, torch.tensor([9, -1]))
+kernels.copy_blocks(kc, vc, torch.tensor([1]), torch.tensor([5]))
+print(torch.equal(kc[5, 1], k[0]) and torch.equal(vc[5, 1], v[0]))
+""") == ["True", "True"]
