@@ -52,8 +52,17 @@ class Settings(BaseSettings):
     # Sessions.
     hot_window_s: float = Field(30.0, ge=0)
     max_hot_sessions: int = Field(256, ge=1)
+    pinned_kv_fraction: float = Field(0.5, gt=0, le=1, description="share of the pool hot sessions may pin")
     warm_idle_s: float = Field(600.0, ge=0)
     disconnect_grace_s: float = Field(30.0, ge=0)
+
+    # Limits.
+    max_frame_bytes: int = Field(65536, ge=256)
+    max_message_tokens: int = Field(4096, ge=1)
+    max_tokens_limit: int = Field(2048, ge=1)
+    max_sessions_per_tenant: int = Field(1000, ge=1)
+    max_turns_per_tenant: int = Field(16, ge=1)
+    allowed_origins: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _expand(self) -> "Settings":

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from chatcore.cache import BlockPool, BlockTable, longest_prefix
@@ -83,6 +84,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.preemptions = 0
         self._budget = 0
+        # Called with a number of blocks wanted available, before admission gives up or any
+        # running request is preempted: the sessions layer releases idle pins here.
+        self.reclaim: Callable[[int], None] | None = None
 
     # ----- admission control -----------------------------------------------------------------
     def worst_case_blocks(self, req: Request) -> int:
@@ -200,6 +204,8 @@ class Scheduler:
 
     def _make_room(self, needed: int, req: Request, plan: StepPlan) -> bool:
         """Preempt youngest-first until `needed` blocks are available; False if `req` itself went."""
+        if not self.pool.can_allocate(needed) and self.reclaim is not None:
+            self.reclaim(needed)
         while not self.pool.can_allocate(needed):
             victim = self.running[-1]
             self._budget += plan.drop(victim)
@@ -225,6 +231,9 @@ class Scheduler:
             tables = self._prefix_tables(req, seqs)
             needed = sum(-(-len(s.tokens) // self.block_size) - len(t) for s, t in zip(seqs, tables, strict=True))
             fits = self.pool.can_admit(needed) or (not self.running and self.pool.can_allocate(needed))
+            if not fits and self.reclaim is not None:
+                self.reclaim(needed + self.pool.low_watermark_blocks)
+                fits = self.pool.can_admit(needed)
             if not fits:
                 for table in tables:
                     if table is given:

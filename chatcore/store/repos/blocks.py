@@ -60,3 +60,10 @@ class KvBlockRepo:
         if model_fingerprint is not None:
             query = query.where(KvBlock.model_fingerprint == model_fingerprint)
         return int(await self.db.scalar(query) or 0)
+
+    async def known(self, hashes: list[str]) -> set[str]:
+        """Which of `hashes` are indexed."""
+        if not hashes:
+            return set()
+        query = select(KvBlock.hash).where(KvBlock.hash.in_(hashes))
+        return set(await self.db.scalars(query))

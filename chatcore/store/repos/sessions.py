@@ -124,6 +124,11 @@ class SessionRepo:
             raise LookupError(f"no session {session_id!r}")
         return end - n
 
+    async def set_seq(self, session_id: str, value: int) -> bool:
+        """Set `next_seq` (after a turn, to the last frame number actually used)."""
+        result = await self.db.execute(update(ChatSession).where(ChatSession.id == session_id).values(next_seq=value))
+        return bool(result.rowcount)
+
     async def list_by_state(
         self, state: SessionState, *, active_before: datetime | None = None, limit: int | None = None
     ) -> list[ChatSession]:

@@ -1,0 +1,82 @@
+"""The Litestar app factory."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from litestar import Litestar, MediaType, Response, get
+from litestar.exceptions import HTTPException
+from litestar.openapi import OpenAPIConfig
+from litestar.static_files import create_static_files_router
+
+from chatcore.config import Settings
+from chatcore.models.loader import LoadedModel
+from chatcore.server import openai_routes, ops_routes, session_routes
+from chatcore.server.auth import Authenticator
+from chatcore.server.errors import (
+    ApiError,
+    api_error_handler,
+    http_error_handler,
+    internal_error_handler,
+    session_error_handler,
+)
+from chatcore.server.services import Services
+from chatcore.server.ws import chat_socket
+from chatcore.sessions.manager import SessionError
+
+log = logging.getLogger(__name__)
+WEB_DIR = Path(__file__).resolve().parents[2] / "web"
+
+
+@get("/", media_type=MediaType.HTML, include_in_schema=False)
+async def index() -> Response[bytes]:
+    page = WEB_DIR / "index.html"
+    if not page.is_file():
+        return Response(b"<h1>chatcore</h1><p>The web UI is not installed.</p>", media_type=MediaType.HTML)
+    return Response(page.read_bytes(), media_type=MediaType.HTML, headers={"Cache-Control": "no-cache"})
+
+
+def create_app(settings: Settings, loaded: LoadedModel | None = None) -> Litestar:
+    """An app that starts its services (database, model, engine, sessions) in its lifespan."""
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        services = await Services.start(settings, loaded)
+        app.state.services = services
+        app.state.auth = Authenticator(services)
+        try:
+            yield
+        finally:
+            await services.stop()
+
+    return Litestar(
+        route_handlers=[
+            index,
+            create_static_files_router("/static", directories=[WEB_DIR], include_in_schema=False),
+            chat_socket,
+            openai_routes.chat_completions,
+            openai_routes.list_models,
+            session_routes.list_sessions,
+            session_routes.create_session,
+            session_routes.get_session,
+            session_routes.rename_session,
+            session_routes.rotate_token,
+            session_routes.delete_session,
+            ops_routes.healthz,
+            ops_routes.metrics,
+            ops_routes.admin_cache,
+        ],
+        lifespan=[lifespan],
+        exception_handlers={
+            ApiError: api_error_handler,
+            SessionError: session_error_handler,
+            HTTPException: http_error_handler,
+            Exception: internal_error_handler,
+        },
+        openapi_config=OpenAPIConfig(title="chatcore", version="0.1.0"),
+        request_max_body_size=settings.max_frame_bytes * 16,
+        debug=False,
+    )

@@ -1,0 +1,62 @@
+"""Who is calling: a tenant from an API key, or the local tenant in open mode.
+
+Open mode means no API key exists: the server then binds to loopback by default and treats
+every caller as the local tenant (admin), ignoring any Authorization header, since OpenAI
+clients always send one. As soon as a key exists, every protected route needs one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from litestar.connection import ASGIConnection
+
+from chatcore.server.errors import ApiError
+from chatcore.server.services import Services
+from chatcore.store.repos import Repos
+
+OPEN_MODE_RECHECK_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    tenant_id: str
+    tenant_name: str
+    is_admin: bool
+
+
+class Authenticator:
+    def __init__(self, services: Services) -> None:
+        self.services = services
+        self._open: bool | None = None
+        self._checked_at = 0.0
+
+    async def open_mode(self) -> bool:
+        """No key configured. Re-checked every few seconds, so `keys create` takes effect live."""
+        now = time.monotonic()
+        if self._open is None or (self._open and now - self._checked_at > OPEN_MODE_RECHECK_S):
+            async with self.services.sessionmaker() as db:
+                self._open = await Repos(db).keys.count_keys() == 0
+            self._checked_at = now
+        return self._open
+
+    async def principal(self, connection: ASGIConnection) -> Principal:
+        if await self.open_mode():
+            return Principal(self.services.local_tenant_id, "local", True)
+        key = _bearer(connection.headers.get("authorization")) or connection.query_params.get("api_key")
+        if not key:
+            raise ApiError("unauthorized", "an API key is required (Authorization: Bearer, or api_key=)")
+        async with self.services.sessionmaker() as db:
+            found = await Repos(db).keys.authenticate(key)
+        if found is None:
+            raise ApiError("unauthorized", "invalid API key")
+        tenant, is_admin = found
+        return Principal(tenant.id, tenant.name, is_admin)
+
+
+def _bearer(header: str | None) -> str | None:
+    if not header:
+        return None
+    scheme, _, value = header.partition(" ")
+    return value.strip() or None if scheme.lower() == "bearer" else None

@@ -1,0 +1,72 @@
+"""API errors: one code vocabulary for WebSocket frames and HTTP bodies."""
+
+from __future__ import annotations
+
+import logging
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+
+from chatcore.sessions.manager import SessionError
+
+log = logging.getLogger(__name__)
+
+HTTP_STATUS = {
+    "bad_request": 400,
+    "unauthorized": 401,
+    "not_found": 404,
+    "conflict": 409,
+    "too_large": 413,
+    "busy": 429,
+    "internal": 500,
+}
+
+
+class ApiError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    @property
+    def status(self) -> int:
+        return HTTP_STATUS[self.code]
+
+    def frame(self) -> dict[str, str]:
+        return {"type": "error", "code": self.code, "message": self.message}
+
+
+def from_session_error(exc: SessionError) -> ApiError:
+    return ApiError(exc.code, str(exc))
+
+
+def _body(code: str, message: str, status: int) -> Response[dict[str, dict[str, str]]]:
+    return Response({"error": {"code": code, "message": message}}, status_code=status)
+
+
+def api_error_handler(_: Request, exc: ApiError) -> Response[dict[str, dict[str, str]]]:
+    return _body(exc.code, exc.message, exc.status)
+
+
+def session_error_handler(_: Request, exc: SessionError) -> Response[dict[str, dict[str, str]]]:
+    return api_error_handler(_, from_session_error(exc))
+
+
+def http_error_handler(_: Request, exc: HTTPException) -> Response[dict[str, dict[str, str]]]:
+    status = exc.status_code
+    if isinstance(exc, ValidationException) or status == 400:
+        return _body("bad_request", _validation_message(exc), 400)
+    code = {401: "unauthorized", 403: "unauthorized", 404: "not_found", 405: "bad_request", 409: "conflict",
+            413: "too_large", 429: "busy"}.get(status, "internal" if status >= 500 else "bad_request")
+    return _body(code, str(exc.detail), status)
+
+
+def _validation_message(exc: HTTPException) -> str:
+    extra = exc.extra if isinstance(exc.extra, list) else []
+    details = "; ".join(f"{e.get('key', '')}: {e.get('message', '')}".strip(": ") for e in extra if isinstance(e, dict))
+    return details or str(exc.detail)
+
+
+def internal_error_handler(_: Request, exc: Exception) -> Response[dict[str, dict[str, str]]]:
+    log.exception("unhandled error", exc_info=exc)
+    return _body("internal", "internal error", 500)

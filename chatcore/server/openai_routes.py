@@ -1,0 +1,218 @@
+"""OpenAI-compatible routes: `POST /v1/chat/completions` (plain and SSE) and `GET /v1/models`.
+
+Without `X-Session-Id` a request is stateless but still shares the prefix cache (under the
+tenant's scope). With it, the last user message becomes the session's next turn, so the
+history's KV is reused the same way as over the WebSocket.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from litestar import Request, Response, get, post
+from litestar.response import Stream
+
+from chatcore.engine.outputs import RequestOutput
+from chatcore.engine.request import SamplingParams
+from chatcore.engine.scheduler import RequestRejected
+from chatcore.server.errors import ApiError
+from chatcore.server.params import sampling_params
+from chatcore.server.services import Services
+
+OPENAI_PARAMS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed", "stop", "user",
+                 "stream", "stream_options", "messages", "model", "frequency_penalty", "presence_penalty",
+                 "logit_bias", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
+                 "parallel_tool_calls", "metadata", "store", "service_tier", "top_k"}
+ROLES = {"system", "user", "assistant", "developer"}
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if all(isinstance(p, str) for p in parts) and parts:
+            return "".join(parts)
+    raise ApiError("bad_request", "message content must be a string or a list of text parts")
+
+
+def parse_messages(raw: Any) -> list[dict[str, str]]:
+    if not isinstance(raw, list) or not raw:
+        raise ApiError("bad_request", "messages must be a non-empty list")
+    out = []
+    for item in raw:
+        if not isinstance(item, dict) or item.get("role") not in ROLES:
+            raise ApiError("bad_request", f"each message needs a role in {sorted(ROLES)}")
+        role = "system" if item["role"] == "developer" else item["role"]
+        out.append({"role": role, "content": _text(item.get("content"))})
+    return out
+
+
+def _finish_reason(reason: str) -> str:
+    return reason if reason in ("stop", "length") else "stop"
+
+
+class Completion:
+    def __init__(self, services: Services, body: dict[str, Any]) -> None:
+        self.services = services
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = services.model_name
+        self.body = body
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+        payload: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                                   "model": self.model, "choices": choices}
+        if usage is not None:
+            payload["usage"] = usage
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    def usage(self, prompt: int, cached: int, completion: int) -> dict[str, Any]:
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def full(self, texts: dict[int, str], reasons: dict[int, str], usage: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+            "choices": [{"index": i, "message": {"role": "assistant", "content": texts.get(i, "")},
+                         "logprobs": None, "finish_reason": _finish_reason(reasons.get(i, "stop"))}
+                        for i in sorted(set(texts) | set(reasons))],
+            "usage": usage,
+        }
+
+
+async def _engine_events(services: Services, principal_tenant: str, messages: list[dict[str, str]],
+                         params: SamplingParams) -> AsyncIterator[tuple[str, Any]]:
+    """Stateless: ('delta', (index, text)) events, then ('done', (reasons, usage triple))."""
+    engine = services.engine
+    request = engine.make_request(engine.chat_prompt(messages), params,
+                                  scope_key=services.sessions.scope_key(principal_tenant))
+    try:
+        engine.core.scheduler.check_fits(request)
+    except RequestRejected as exc:
+        raise ApiError("too_large", str(exc)) from exc
+    final: RequestOutput | None = None
+    async with aclosing(engine.generate(request)) as stream:
+        async for out in stream:
+            for delta in out.deltas:
+                if delta.text:
+                    yield "delta", (delta.index, delta.text)
+            if out.finished:
+                final = out
+    assert final is not None and final.usage is not None and final.timings is not None
+    reasons = {o.index: o.finish_reason for o in final.outputs}
+    if final.error is not None and any(r in ("busy", "error") for r in reasons.values()):
+        raise ApiError("busy" if "busy" in reasons.values() else "internal", final.error)
+    usage, timings = final.usage, final.timings
+    services.metrics.record_request(next(iter(reasons.values()), "stop"), usage.prompt_tokens,
+                                    usage.cached_tokens - usage.cached_disk_tokens, usage.cached_disk_tokens,
+                                    timings.queue_ms, timings.ttft_ms, timings.inter_token_ms)
+    yield "done", (reasons, (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens))
+
+
+async def _session_events(services: Services, tenant_id: str, session_id: str, messages: list[dict[str, str]],
+                          params: SamplingParams) -> AsyncIterator[tuple[str, Any]]:
+    """With X-Session-Id: the last user message is the session's next turn."""
+    if messages[-1]["role"] != "user":
+        raise ApiError("bad_request", "with X-Session-Id the last message must be the user's new turn")
+    state = await services.sessions.open(tenant_id, session_id)
+    frames = await services.turns.start(state, messages[-1]["content"], params, client_id=None)
+    queue = frames.subscribe(None)
+    try:
+        while True:
+            frame = await queue.get()
+            if frame["type"] == "token":
+                yield "delta", (frame["index"], frame["text"])
+            elif frame["type"] == "done":
+                usage = frame["usage"]
+                if frame["finish_reason"] == "error":
+                    raise ApiError("internal", "the turn failed")
+                reasons = {i: frame["finish_reason"] for i in range(params.n)}
+                yield "done", (reasons, (usage["prompt_tokens"], usage["cached_tokens"], usage["completion_tokens"]))
+                return
+    finally:
+        frames.unsubscribe(queue)
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request[Any, Any, Any], data: dict[str, Any]) -> Response[Any]:
+    services: Services = request.app.state.services
+    principal = await request.app.state.auth.principal(request)
+    unknown = sorted(set(data) - OPENAI_PARAMS)
+    if unknown:
+        raise ApiError("bad_request", f"unsupported fields: {', '.join(unknown)}")
+    messages = parse_messages(data.get("messages"))
+    raw = {k: data[k] for k in ("temperature", "top_p", "n", "seed", "stop", "top_k") if data.get(k) is not None}
+    max_tokens = data.get("max_completion_tokens", data.get("max_tokens"))
+    if max_tokens is not None:
+        raw["max_tokens"] = max_tokens
+    params = sampling_params(raw, services.settings, default_temperature=1.0, default_max_tokens=512)
+    if data.get("user") is not None and not isinstance(data["user"], str):
+        raise ApiError("bad_request", "user must be a string")
+    session_id = request.headers.get("x-session-id")
+    if session_id:
+        events = _session_events(services, principal.tenant_id, session_id, messages, params)
+    else:
+        events = _engine_events(services, principal.tenant_id, messages, params)
+    completion = Completion(services, data)
+    stream = data.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError("bad_request", "stream must be a boolean")
+    if stream:
+        options = data.get("stream_options") or {}
+        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        first = await anext(events)  # errors before the first event become plain HTTP errors
+        return Stream(_sse(completion, first, events, params.n, include_usage), media_type="text/event-stream",
+                      headers={"Cache-Control": "no-cache"})
+    texts: dict[int, str] = {}
+    async for kind, value in events:
+        if kind == "delta":
+            index, text = value
+            texts[index] = texts.get(index, "") + text
+        else:
+            reasons, (prompt, cached, completion_tokens) = value
+            return Response(completion.full(texts, reasons, completion.usage(prompt, cached, completion_tokens)))
+    raise ApiError("internal", "the request ended without a result")
+
+
+async def _sse(completion: Completion, first: tuple[str, Any], events: AsyncIterator[tuple[str, Any]], n: int,
+               include_usage: bool) -> AsyncIterator[str]:
+    async with aclosing(events):
+        for i in range(n):
+            yield completion.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        pending: list[tuple[str, Any]] = [first]
+        while True:
+            if pending:
+                kind, value = pending.pop()
+            else:
+                try:
+                    kind, value = await anext(events)
+                except StopAsyncIteration:
+                    break
+                except ApiError as exc:
+                    yield f"data: {json.dumps({'error': {'code': exc.code, 'message': exc.message}})}\n\n"
+                    break
+            if kind == "delta":
+                index, text = value
+                yield completion.chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}])
+            else:
+                reasons, (prompt, cached, completion_tokens) = value
+                yield completion.chunk([{"index": i, "delta": {}, "finish_reason": _finish_reason(r)}
+                                        for i, r in sorted(reasons.items())])
+                if include_usage:
+                    yield completion.chunk([], completion.usage(prompt, cached, completion_tokens))
+                break
+    yield "data: [DONE]\n\n"
+
+
+@get("/v1/models")
+async def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    services: Services = request.app.state.services
+    await request.app.state.auth.principal(request)
+    return {"object": "list", "data": [{"id": services.model_name, "object": "model", "created": 0,
+                                        "owned_by": "chatcore"}]}

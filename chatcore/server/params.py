@@ -1,0 +1,68 @@
+"""Validation of sampling parameters from clients, with messages a client can act on."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from chatcore.config import Settings
+from chatcore.engine.request import SamplingParams
+from chatcore.server.errors import ApiError
+
+MAX_N = 8
+MAX_STOPS = 4
+MAX_STOP_CHARS = 64
+WS_PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop"}
+
+
+def _int(name: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError("bad_request", f"{name} must be an integer")
+    if not low <= value <= high:
+        raise ApiError("bad_request", f"{name} must be between {low} and {high}")
+    return value
+
+
+def _float(name: str, value: Any, low: float, high: float, low_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ApiError("bad_request", f"{name} must be a finite number")
+    if value > high or value < low or (low_open and value == low):
+        raise ApiError("bad_request", f"{name} must be in {'(' if low_open else '['}{low}, {high}]")
+    return float(value)
+
+
+def parse_stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError("bad_request", "stop must be a non-empty string or a list of them")
+    if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError("bad_request", f"at most {MAX_STOPS} stop strings of {MAX_STOP_CHARS} characters")
+    return tuple(stops)
+
+
+def sampling_params(raw: Any, settings: Settings, *, allowed: set[str] = WS_PARAMS,
+                    default_max_tokens: int = 256, default_temperature: float = 0.7) -> SamplingParams:
+    """Build `SamplingParams` from a client's dict; `ApiError` names the first bad field."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ApiError("bad_request", "params must be an object")
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise ApiError("bad_request", f"unknown params: {', '.join(unknown)}")
+    max_tokens = raw.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = min(default_max_tokens, settings.max_tokens_limit)
+    elif isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > settings.max_tokens_limit:
+        raise ApiError("too_large", f"max_tokens is limited to {settings.max_tokens_limit}")
+    max_tokens = _int("max_tokens", max_tokens, 1, settings.max_tokens_limit)
+    temperature = (_float("temperature", raw["temperature"], 0.0, 2.0) if raw.get("temperature") is not None
+                   else default_temperature)
+    top_p = _float("top_p", raw["top_p"], 0.0, 1.0, low_open=True) if raw.get("top_p") is not None else 1.0
+    top_k = _int("top_k", raw["top_k"], 0, 1_000_000) if raw.get("top_k") is not None else 0
+    seed = _int("seed", raw["seed"], -(2**63), 2**63 - 1) if raw.get("seed") is not None else None
+    n = _int("n", raw["n"], 1, MAX_N) if raw.get("n") is not None else 1
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
+                          stop=parse_stop(raw.get("stop")))

@@ -1,0 +1,84 @@
+"""Everything a running server holds, started and stopped in order.
+
+Start: migrate the database, load the model, start the engine thread, mark the turns a crash
+left open as interrupted, then start the session manager and its eviction policy.
+Stop: the reverse, waiting for background disk writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine as DbEngine
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from chatcore.config import Settings
+from chatcore.engine.engine import AsyncEngine
+from chatcore.metrics import Metrics
+from chatcore.models.loader import LoadedModel, load_model
+from chatcore.sessions.disk_tier import DiskTier
+from chatcore.sessions.manager import SessionManager
+from chatcore.sessions.policy import EvictionPolicy
+from chatcore.sessions.turns import TurnRunner
+from chatcore.store.db import create_engine, create_sessionmaker, migrate
+from chatcore.store.repos import Repos
+
+log = logging.getLogger(__name__)
+LOCAL_TENANT = "local"
+
+
+@dataclass
+class Services:
+    settings: Settings
+    db: DbEngine
+    sessionmaker: async_sessionmaker[AsyncSession]
+    engine: AsyncEngine
+    metrics: Metrics
+    sessions: SessionManager
+    turns: TurnRunner
+    policy: EvictionPolicy
+    disk: DiskTier | None
+    local_tenant_id: str
+    model_name: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    async def start(cls, settings: Settings, loaded: LoadedModel | None = None) -> Services:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        url = settings.resolved_database_url
+        await migrate(url)
+        db = create_engine(url)
+        sessionmaker = create_sessionmaker(db)
+        async with sessionmaker() as session, session.begin():
+            local = await Repos(session).tenants.get_or_create_tenant(LOCAL_TENANT)
+        loaded = loaded or await asyncio.to_thread(load_model, settings)
+        engine = await asyncio.to_thread(AsyncEngine.from_settings, settings, loaded)
+        metrics = Metrics()
+        disk = None
+        if settings.kv_disk_gb > 0:
+            disk = DiskTier(settings.resolved_kv_disk_dir, loaded.fingerprint,
+                            int(settings.kv_disk_gb * (1 << 30)), sessionmaker)
+        manager = SessionManager(engine, sessionmaker, settings, metrics, disk)
+        interrupted = await manager.mark_interrupted()
+        if interrupted:
+            log.warning("%d turn(s) were interrupted by the last shutdown", interrupted)
+        policy = EvictionPolicy(manager)
+        policy.start()
+        return cls(settings, db, sessionmaker, engine, metrics, manager, TurnRunner(manager), policy, disk,
+                   local.id, loaded.path.name)
+
+    async def stop(self) -> None:
+        await self.policy.stop()
+        for state in list(self.sessions.live.values()):
+            if state.turn_running:
+                await self.turns.cancel(state, "disconnected")
+        running = [s.running for s in self.sessions.live.values() if s.running is not None]
+        await asyncio.gather(*running, return_exceptions=True)
+        await asyncio.gather(*self.turns.background, return_exceptions=True)
+        self.engine.shutdown()
+        if self.disk is not None:
+            self.disk.close()
+        await self.db.dispose()

@@ -1,0 +1,78 @@
+"""Session REST routes. Every route sees only the caller's own tenant."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Request, Response, delete, get, patch, post
+
+from chatcore.server.errors import ApiError
+from chatcore.server.services import Services
+
+MAX_TITLE = 200
+MAX_SYSTEM_PROMPT = 100_000
+
+
+def _services(request: Request[Any, Any, Any]) -> Services:
+    return request.app.state.services
+
+
+def _optional_text(data: dict[str, Any], name: str, limit: int) -> str | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > limit:
+        raise ApiError("bad_request", f"{name} must be a string of at most {limit} characters")
+    return value
+
+
+@get("/v1/sessions")
+async def list_sessions(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
+    principal = await request.app.state.auth.principal(request)
+    return await _services(request).sessions.list(principal.tenant_id)
+
+
+@post("/v1/sessions", status_code=201)
+async def create_session(request: Request[Any, Any, Any], data: dict[str, Any] | None = None) -> dict[str, Any]:
+    principal = await request.app.state.auth.principal(request)
+    data = data or {}
+    if not isinstance(data, dict):
+        raise ApiError("bad_request", "the body must be a JSON object")
+    unknown = sorted(set(data) - {"title", "system_prompt"})
+    if unknown:
+        raise ApiError("bad_request", f"unknown fields: {', '.join(unknown)}")
+    title = _optional_text(data, "title", MAX_TITLE) or ""
+    system_prompt = _optional_text(data, "system_prompt", MAX_SYSTEM_PROMPT)
+    state, token = await _services(request).sessions.create(principal.tenant_id, system_prompt=system_prompt,
+                                                            title=title)
+    return {"id": state.id, "resume_token": token, "title": state.title, "system_prompt": state.system_prompt}
+
+
+@get("/v1/sessions/{session_id:str}")
+async def get_session(request: Request[Any, Any, Any], session_id: str) -> dict[str, Any]:
+    principal = await request.app.state.auth.principal(request)
+    return await _services(request).sessions.detail(principal.tenant_id, session_id)
+
+
+@patch("/v1/sessions/{session_id:str}")
+async def rename_session(request: Request[Any, Any, Any], session_id: str, data: dict[str, Any]) -> dict[str, Any]:
+    principal = await request.app.state.auth.principal(request)
+    title = _optional_text(data, "title", MAX_TITLE)
+    if title is None or set(data) != {"title"}:
+        raise ApiError("bad_request", "send {\"title\": string}")
+    await _services(request).sessions.rename(principal.tenant_id, session_id, title)
+    return {"id": session_id, "title": title}
+
+
+@post("/v1/sessions/{session_id:str}/token", status_code=200)
+async def rotate_token(request: Request[Any, Any, Any], session_id: str) -> dict[str, Any]:
+    principal = await request.app.state.auth.principal(request)
+    token = await _services(request).sessions.rotate_resume_token(principal.tenant_id, session_id)
+    return {"id": session_id, "resume_token": token}
+
+
+@delete("/v1/sessions/{session_id:str}", status_code=204)
+async def delete_session(request: Request[Any, Any, Any], session_id: str) -> Response[None]:
+    principal = await request.app.state.auth.principal(request)
+    await _services(request).sessions.delete(principal.tenant_id, session_id)
+    return Response(None, status_code=204)

@@ -1,0 +1,279 @@
+"""`GET /v1/ws`: the chat protocol of docs/protocol.md.
+
+One socket holds at most one session. Outgoing frames go through one queue and one sender
+task, so frames are never interleaved. A running turn's frames reach the socket through a
+subscription that replays what the client missed (`seq > last_seq`) and then follows live.
+When the socket goes, the turn keeps running; if nobody re-attaches within the grace
+period, it is cancelled as `disconnected`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+from urllib.parse import urlsplit
+
+from litestar import WebSocket, websocket
+
+from chatcore.server.auth import Authenticator, Principal
+from chatcore.server.errors import ApiError, from_session_error
+from chatcore.server.params import sampling_params
+from chatcore.server.services import Services
+from chatcore.sessions.manager import SessionError
+from chatcore.sessions.state import SessionState
+
+log = logging.getLogger(__name__)
+CLOSE_POLICY = 1008
+CLOSE_TOO_BIG = 1009
+CLOSE_CONFLICT = 4409
+MAX_ID_CHARS = 128
+MAX_TITLE_CHARS = 200
+
+
+def origin_allowed(socket: WebSocket, allowed: list[str]) -> bool:
+    origin = socket.headers.get("origin")
+    if not origin:
+        return True  # not a browser
+    host = socket.headers.get("host", "")
+    netloc = urlsplit(origin).netloc
+    return netloc == host or origin in allowed or "*" in allowed
+
+
+class Connection:
+    def __init__(self, socket: WebSocket, services: Services, principal: Principal) -> None:
+        self.socket = socket
+        self.services = services
+        self.principal = principal
+        self.out: asyncio.Queue[dict[str, Any] | tuple[int, str]] = asyncio.Queue()
+        self.state: SessionState | None = None
+        self.last_seq: int | None = None
+        self.pump: asyncio.Task[None] | None = None
+        self.closed = False
+
+    # ----- output ----------------------------------------------------------------------------
+    def send(self, frame: dict[str, Any]) -> None:
+        if not self.closed:
+            self.out.put_nowait(frame)
+
+    def error(self, code: str, message: str) -> None:
+        self.send({"type": "error", "code": code, "message": message})
+
+    def close(self, code: int, reason: str = "") -> None:
+        if not self.closed:
+            self.out.put_nowait((code, reason))
+            self.closed = True
+
+    async def sender(self) -> None:
+        while True:
+            item = await self.out.get()
+            if isinstance(item, tuple):
+                await self.socket.close(code=item[0], reason=item[1])
+                return
+            await self.socket.send_data(json.dumps(item, ensure_ascii=False), mode="text")
+            if isinstance(item.get("seq"), int):
+                self.last_seq = max(self.last_seq or 0, item["seq"])
+
+    # ----- session attachment ----------------------------------------------------------------
+    def attachments(self) -> dict[str, Connection]:
+        return self.services.extra.setdefault("ws_attached", {})
+
+    def attach(self, state: SessionState) -> None:
+        self.detach()
+        previous = self.attachments().get(state.id)
+        if previous is not None and previous is not self:
+            previous.error("conflict", "another connection took over this session")
+            previous.stop_pump()
+            previous.state = None
+            previous.close(CLOSE_CONFLICT, "session taken over")
+        self.attachments()[state.id] = self
+        self.state = state
+        if state.grace_timer is not None:
+            state.grace_timer.cancel()
+            state.grace_timer = None
+
+    def detach(self) -> None:
+        """Leave the session; a running turn gets the grace period to be picked up again."""
+        self.stop_pump()
+        state = self.state
+        self.state = None
+        if state is None or self.attachments().get(state.id) is not self:
+            return
+        del self.attachments()[state.id]
+        if state.turn_running:
+            grace = self.services.settings.disconnect_grace_s
+            runner = self.services.turns
+            loop = asyncio.get_running_loop()
+            state.grace_timer = loop.call_later(
+                grace, lambda: asyncio.ensure_future(runner.cancel(state, "disconnected")))
+
+    def stop_pump(self) -> None:
+        if self.pump is not None:
+            self.pump.cancel()
+            self.pump = None
+
+    def follow(self, state: SessionState, after_seq: int | None) -> None:
+        """Stream the session's current turn from `after_seq` on."""
+        frames = state.current
+        if frames is None:
+            return
+        self.stop_pump()
+        queue = frames.subscribe(after_seq)
+
+        async def pump() -> None:
+            try:
+                while True:
+                    frame = await queue.get()
+                    self.send(frame)
+                    if frame.get("type") == "done":
+                        return
+            finally:
+                frames.unsubscribe(queue)
+
+        self.pump = asyncio.create_task(pump())
+
+    # ----- frames ----------------------------------------------------------------------------
+    async def handle(self, frame: dict[str, Any]) -> None:
+        kind = frame.get("type")
+        if kind == "ping":
+            self.send({"type": "pong"})
+        elif kind == "hello":
+            await self.hello(frame)
+        elif kind == "user":
+            await self.user(frame)
+        elif kind == "cancel":
+            if self.state is None:
+                raise ApiError("bad_request", "send hello first")
+            await self.services.turns.cancel(self.state, "cancelled")
+        elif isinstance(kind, str):
+            raise ApiError("bad_request", f"unknown frame type {kind!r}")
+        else:
+            raise ApiError("bad_request", "every frame needs a string 'type'")
+
+    async def hello(self, frame: dict[str, Any]) -> None:
+        session_id = _optional_str(frame, "session_id", MAX_ID_CHARS)
+        token = _optional_str(frame, "resume_token", 256)
+        system_prompt = _optional_str(frame, "system_prompt", 100_000)
+        title = _optional_str(frame, "title", MAX_TITLE_CHARS) or ""
+        last_seq = frame.get("last_seq")
+        if last_seq is not None and (isinstance(last_seq, bool) or not isinstance(last_seq, int) or last_seq < 0):
+            raise ApiError("bad_request", "last_seq must be a non-negative integer or null")
+        manager = self.services.sessions
+        if session_id is None:
+            state, token = await manager.create(self.principal.tenant_id, system_prompt=system_prompt, title=title)
+        else:
+            state = await manager.open(self.principal.tenant_id, session_id)
+            if not await manager.verify_resume_token(self.principal.tenant_id, session_id, token):
+                self.error("unauthorized", "wrong resume token for this session")
+                self.close(CLOSE_POLICY, "unauthorized")
+                return
+        self.attach(state)
+        self.last_seq = last_seq
+        self.send({"type": "session", "session_id": state.id, "resume_token": token, "title": state.title,
+                   "history": state.history(), "seq": state.next_seq})
+        current = state.current
+        if current is not None and (state.turn_running or last_seq is not None):
+            self.follow(state, last_seq)
+
+    async def user(self, frame: dict[str, Any]) -> None:
+        state = self.state
+        if state is None:
+            raise ApiError("bad_request", "send hello first")
+        client_id = frame.get("id")
+        if not isinstance(client_id, str) or not client_id or len(client_id) > MAX_ID_CHARS:
+            raise ApiError("bad_request", f"'id' must be a string of 1 to {MAX_ID_CHARS} characters")
+        content = frame.get("content")
+        if not isinstance(content, str) or not content.strip():
+            raise ApiError("bad_request", "'content' must be a non-empty string")
+        params = sampling_params(frame.get("params"), self.services.settings)
+        previous = state.current
+        if previous is not None and previous.client_id == client_id:
+            self.follow(state, self.last_seq)  # a resent message: no second turn, just what was missed
+            return
+        if await self.services.sessions.client_id_used(state.id, client_id):
+            raise ApiError("bad_request", f"message id {client_id!r} was already used in this session")
+        await self.services.turns.start(state, content, params, client_id)
+        self.follow(state, self.last_seq)
+
+
+def _optional_str(frame: dict[str, Any], name: str, limit: int) -> str | None:
+    value = frame.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > limit:
+        raise ApiError("bad_request", f"'{name}' must be a string of at most {limit} characters, or null")
+    return value
+
+
+@websocket("/v1/ws")
+async def chat_socket(socket: WebSocket) -> None:
+    services: Services = socket.app.state.services
+    settings = services.settings
+    if not origin_allowed(socket, settings.allowed_origins):
+        await socket.close(code=CLOSE_POLICY, reason="origin not allowed")
+        return
+    await socket.accept()
+    auth: Authenticator = socket.app.state.auth
+    try:
+        principal = await auth.principal(socket)
+    except ApiError as exc:
+        await socket.send_data(json.dumps(exc.frame()), mode="text")
+        await socket.close(code=CLOSE_POLICY, reason="unauthorized")
+        return
+    conn = Connection(socket, services, principal)
+    sender = asyncio.create_task(conn.sender())
+    try:
+        while not conn.closed:
+            receiver = asyncio.ensure_future(socket.receive())
+            done, _ = await asyncio.wait({receiver, sender}, return_when=asyncio.FIRST_COMPLETED)
+            if receiver not in done:
+                receiver.cancel()
+                break
+            message = receiver.result()
+            if message["type"] == "websocket.disconnect":
+                break
+            await _on_message(conn, message, settings.max_frame_bytes)
+    except Exception:
+        log.exception("websocket handler failed")
+    finally:
+        conn.detach()
+        if not conn.closed:
+            conn.closed = True
+            sender.cancel()
+        await asyncio.gather(sender, return_exceptions=True)
+
+
+async def _on_message(conn: Connection, message: dict[str, Any], max_bytes: int) -> None:
+    text = message.get("text")
+    if text is None:
+        size = len(message.get("bytes") or b"")
+        if size > max_bytes:
+            conn.error("too_large", f"frames are limited to {max_bytes} bytes")
+            conn.close(CLOSE_TOO_BIG, "frame too large")
+        else:
+            conn.error("bad_request", "binary frames are not supported; send JSON text frames")
+        return
+    if len(text.encode("utf-8", "surrogatepass")) > max_bytes:
+        conn.error("too_large", f"frames are limited to {max_bytes} bytes")
+        conn.close(CLOSE_TOO_BIG, "frame too large")
+        return
+    try:
+        frame = json.loads(text)
+    except (ValueError, RecursionError):
+        conn.error("bad_request", "frames must be JSON")
+        return
+    if not isinstance(frame, dict):
+        conn.error("bad_request", "a frame must be a JSON object")
+        return
+    try:
+        await conn.handle(frame)
+    except ApiError as exc:
+        conn.send(exc.frame())
+        if exc.code == "unauthorized":
+            conn.close(CLOSE_POLICY, "unauthorized")
+    except SessionError as exc:
+        conn.send(from_session_error(exc).frame())
+    except Exception:
+        log.exception("frame handling failed")
+        conn.error("internal", "internal error")

@@ -1,0 +1,244 @@
+"""Sessions: create, open (from memory or SQLite), delete, and the limits that guard them.
+
+A session is hot (its chain pinned in the pool), warm (in memory, unpinned: its full blocks
+cached-free in the pool's LRU) or cold (rows in SQLite only). Running turns live in
+`chatcore.sessions.turns`; eviction in `chatcore.sessions.policy`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from chatcore.config import Settings
+from chatcore.engine.engine import AsyncEngine
+from chatcore.metrics import Metrics
+from chatcore.sessions.disk_tier import DiskTier
+from chatcore.sessions.pins import PinRegistry
+from chatcore.sessions.state import SessionState
+from chatcore.sessions.template import ChatTemplate
+from chatcore.store.packing import unpack_ids
+from chatcore.store.repos import Repos
+
+log = logging.getLogger(__name__)
+
+
+class SessionError(Exception):
+    code = "bad_request"
+
+
+class NotFound(SessionError):
+    code = "not_found"
+
+
+class Busy(SessionError):
+    code = "busy"
+
+
+class TooLarge(SessionError):
+    code = "too_large"
+
+
+class Unauthorized(SessionError):
+    code = "unauthorized"
+
+
+class SessionManager:
+    def __init__(self, engine: AsyncEngine, sessionmaker: async_sessionmaker[AsyncSession], settings: Settings,
+                 metrics: Metrics, disk: DiskTier | None = None) -> None:
+        self.engine = engine
+        self.sessionmaker = sessionmaker
+        self.settings = settings
+        self.metrics = metrics
+        self.disk = disk
+        loaded = engine.core.loaded
+        self.fingerprint = loaded.fingerprint
+        self.template = ChatTemplate(loaded.tokenizer, loaded.stop_token_ids)
+        self.pins = PinRegistry(settings.hot_window_s)
+        self.live: dict[str, SessionState] = {}
+        self.active_turns: Counter[str] = Counter()
+        self._loading: dict[str, asyncio.Lock] = {}
+        core = engine.core
+        core.scheduler.reclaim = lambda wanted: self.pins.reclaim(wanted, lambda: core.pool.num_available)
+
+    def scope_key(self, tenant_id: str) -> str:
+        return "global" if self.settings.cache_scope == "global" else f"tenant:{tenant_id}"
+
+    # ----- create / open ---------------------------------------------------------------------
+    async def create(self, tenant_id: str, *, system_prompt: str | None = None,
+                     title: str = "") -> tuple[SessionState, str]:
+        async with self.sessionmaker() as db, db.begin():
+            repos = Repos(db)
+            if await repos.sessions.count_for_tenant(tenant_id) >= self.settings.max_sessions_per_tenant:
+                raise Busy(f"the tenant already has {self.settings.max_sessions_per_tenant} sessions")
+            row, token = await repos.sessions.create(tenant_id, model_fingerprint=self.fingerprint,
+                                                     title=title, system_prompt=system_prompt)
+        state = SessionState(row.id, tenant_id, title, system_prompt, self.scope_key(tenant_id))
+        if system_prompt:
+            state.messages.append({"role": "system", "content": system_prompt})
+        self.live[state.id] = state
+        return state, token
+
+    async def open(self, tenant_id: str, session_id: str) -> SessionState:
+        """The session, from memory or rebuilt from SQLite; `NotFound` for another tenant's."""
+        state = self.live.get(session_id)
+        if state is not None:
+            if state.tenant_id != tenant_id:
+                raise NotFound("no such session")
+            return state
+        lock = self._loading.setdefault(session_id, asyncio.Lock())
+        async with lock:
+            state = self.live.get(session_id)
+            if state is None:
+                state = await self._load(tenant_id, session_id)
+                self.live[session_id] = state
+        self._loading.pop(session_id, None)
+        if state.tenant_id != tenant_id:
+            raise NotFound("no such session")
+        return state
+
+    async def _load(self, tenant_id: str, session_id: str) -> SessionState:
+        async with self.sessionmaker() as db, db.begin():
+            repos = Repos(db)
+            row = await repos.sessions.get(tenant_id, session_id)
+            if row is None:
+                raise NotFound("no such session")
+            chain = await repos.chains.load_chain(session_id)
+            turns = await repos.turns.list_turns(session_id)
+            await repos.sessions.set_state(session_id, "warm")
+        state = SessionState(row.id, row.tenant_id, row.title, row.system_prompt, self.scope_key(row.tenant_id))
+        state.next_seq = row.next_seq
+        if row.system_prompt:
+            state.messages.append({"role": "system", "content": row.system_prompt})
+        state.turn_count = max((t.idx for t in turns), default=-1) + 1
+        # Only complete exchanges are part of the canonical history (an interrupted one is not).
+        pending_user: dict[str, str] | None = None
+        for turn in turns:
+            if turn.role == "user":
+                pending_user = {"role": "user", "content": turn.content}
+            elif turn.role == "assistant" and pending_user is not None:
+                if turn.finish_reason not in (None, "interrupted"):
+                    state.messages += [pending_user, {"role": "assistant", "content": turn.content}]
+                pending_user = None
+        if chain is not None and row.model_fingerprint == self.fingerprint:
+            state.tokens = list(chain.token_ids)
+        elif chain is not None:
+            # Another model wrote this history: re-render it; nothing of the old KV is reused.
+            state.tokens = self.template.render(state.messages, generation_prompt=False) if state.history() else []
+        return state
+
+    async def verify_resume_token(self, tenant_id: str, session_id: str, token: str | None) -> bool:
+        async with self.sessionmaker() as db:
+            repos = Repos(db)
+            row = await repos.sessions.get(tenant_id, session_id)
+            return row is not None and token is not None and repos.sessions.verify_resume_token(row, token)
+
+    async def rotate_resume_token(self, tenant_id: str, session_id: str) -> str:
+        async with self.sessionmaker() as db, db.begin():
+            repos = Repos(db)
+            row = await repos.sessions.get(tenant_id, session_id)
+            if row is None:
+                raise NotFound("no such session")
+            return await repos.sessions.rotate_resume_token(row)
+
+    async def rename(self, tenant_id: str, session_id: str, title: str) -> None:
+        async with self.sessionmaker() as db, db.begin():
+            if await Repos(db).sessions.rename(tenant_id, session_id, title) is None:
+                raise NotFound("no such session")
+        if session_id in self.live:
+            self.live[session_id].title = title
+
+    async def delete(self, tenant_id: str, session_id: str) -> None:
+        """Stop its turn, release its blocks, then delete its rows."""
+        state = self.live.get(session_id)
+        if state is not None and state.tenant_id != tenant_id:
+            raise NotFound("no such session")
+        if state is not None and state.request_id is not None:
+            await self.engine.abort(state.request_id)
+            if state.running is not None:
+                await asyncio.gather(state.running, return_exceptions=True)
+        await self.engine.call(lambda core: self.pins.release(session_id))
+        async with self.sessionmaker() as db, db.begin():
+            if not await Repos(db).sessions.delete(tenant_id, session_id):
+                raise NotFound("no such session")
+        self.live.pop(session_id, None)
+
+    async def list(self, tenant_id: str) -> list[dict[str, Any]]:
+        async with self.sessionmaker() as db:
+            repos = Repos(db)
+            rows = await repos.sessions.list_for_tenant(tenant_id)
+        return [{
+            "id": r.id, "title": r.title, "state": self.state_of(r.id, r.state),
+            "created_at": r.created_at.isoformat(), "last_active_at": r.last_active_at.isoformat(),
+        } for r in rows]
+
+    def state_of(self, session_id: str, stored: str = "cold") -> str:
+        if session_id in self.pins or (session_id in self.live and self.live[session_id].turn_running):
+            return "hot"
+        if session_id in self.live:
+            return "warm"
+        return "cold" if stored == "cold" or session_id not in self.live else stored
+
+    async def detail(self, tenant_id: str, session_id: str) -> dict[str, Any]:
+        async with self.sessionmaker() as db:
+            repos = Repos(db)
+            row = await repos.sessions.get(tenant_id, session_id)
+            if row is None:
+                raise NotFound("no such session")
+            turns = await repos.turns.list_turns(session_id)
+            chain = await repos.chains.load_chain(session_id)
+        state = self.live.get(session_id)
+        pinned = await self.engine.call(lambda core: len(t) if (t := self.pins.tables().get(session_id)) else 0)
+        history = []
+        for turn in turns:
+            item: dict[str, Any] = {"role": turn.role, "content": turn.content}
+            if turn.role == "assistant":
+                item["finish_reason"] = turn.finish_reason
+                item["usage"] = {"prompt_tokens": turn.prompt_tokens, "cached_tokens": turn.cached_tokens,
+                                 "completion_tokens": turn.completion_tokens,
+                                 "cached_device_tokens": turn.cached_device_tokens,
+                                 "cached_disk_tokens": turn.cached_disk_tokens,
+                                 "recomputed_tokens": turn.recomputed_tokens}
+                item["timing"] = {"queue_ms": turn.queue_ms, "ttft_ms": turn.ttft_ms, "total_ms": turn.total_ms}
+            history.append(item)
+        tokens = len(state.tokens) if state is not None else len(chain.token_ids) if chain else 0
+        return {
+            "id": row.id, "title": row.title, "system_prompt": row.system_prompt,
+            "state": self.state_of(row.id, row.state), "history": history,
+            "cache": {"history_tokens": tokens, "device_blocks": pinned,
+                      "cached_tokens": sum(t.cached_tokens for t in turns if t.role == "assistant")},
+        }
+
+    async def mark_interrupted(self) -> int:
+        """At start-up: close the turns a crash left running."""
+        async with self.sessionmaker() as db, db.begin():
+            return await Repos(db).turns.mark_interrupted()
+
+    def counts(self) -> dict[str, int]:
+        hot = sum(1 for sid in self.live if self.state_of(sid) == "hot")
+        return {"hot": hot, "warm": len(self.live) - hot}
+
+    async def go_cold(self, state: SessionState) -> None:
+        """Write what rebuilds the session (one transaction), then drop it from memory."""
+        from chatcore.cache import chain_hashes
+
+        core = self.engine.core
+        bs = core.pool.block_size
+        salt = core.salt(state.scope_key)
+        await self.engine.call(lambda c: self.pins.release(state.id))
+        async with self.sessionmaker() as db, db.begin():
+            repos = Repos(db)
+            if state.tokens:
+                await repos.chains.save_chain(state.id, state.tokens, chain_hashes(state.tokens, bs, salt), bs,
+                                              len(state.tokens))
+            await repos.sessions.set_seq(state.id, state.next_seq)
+            await repos.sessions.set_state(state.id, "cold")
+        self.live.pop(state.id, None)
+
+    async def client_id_used(self, session_id: str, client_id: str) -> bool:
+        async with self.sessionmaker() as db:
+            return bool(await Repos(db).turns.find_by_client_id(session_id, client_id))

@@ -1,0 +1,85 @@
+"""The eviction policy: hot -> warm -> cold.
+
+* hot -> warm (engine thread, every loop): a pin expires after `hot_window_s`; the least
+  recently pinned go first when there are more than `max_hot_sessions` pins, or when pins
+  hold more than `pinned_kv_fraction` of the pool; and under allocation pressure the
+  scheduler reclaims pins before it preempts anything (`PinRegistry.reclaim`).
+* warm -> cold (event loop, every `interval_s`): a session idle for `warm_idle_s` with no
+  turn running is written to SQLite (chain and state, one transaction) and only then
+  dropped from memory. Its full blocks stay in the pool's LRU, and on disk, for its return.
+
+Which cached-free block the pool evicts first is the pool's LRU order: among the blocks a
+table releases together, the deepest goes first, so shared system prompts and the roots of
+long histories outlive lone tails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from chatcore.engine.core import EngineCore
+from chatcore.sessions.manager import SessionManager
+from chatcore.store.repos import Repos
+
+log = logging.getLogger(__name__)
+
+
+class EvictionPolicy:
+    def __init__(self, manager: SessionManager, interval_s: float = 1.0) -> None:
+        self.m = manager
+        self.interval_s = interval_s
+        self._last_engine_pass = 0.0
+        self._task: asyncio.Task[None] | None = None
+        manager.engine.housekeeping.append(self.engine_pass)
+
+    def engine_pass(self) -> None:
+        """On the engine thread: expire and trim pins (at most every 100 ms)."""
+        now = time.monotonic()
+        if now - self._last_engine_pass < 0.1:
+            return
+        self._last_engine_pass = now
+        core: EngineCore = self.m.engine.core
+        pins = self.m.pins
+        pins.expire(now)
+        pins.trim(self.m.settings.max_hot_sessions)
+        limit = int(self.m.settings.pinned_kv_fraction * core.pool.num_blocks)
+        tables = pins.tables()
+        pinned = sum(len(t) for t in tables.values())
+        for session_id, table in tables.items():
+            if pinned <= limit:
+                break
+            pinned -= len(table)
+            pins.release(session_id)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="eviction-policy")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.demote_idle()
+            except Exception:
+                log.exception("eviction pass failed")
+
+    async def demote_idle(self, now: float | None = None) -> list[str]:
+        """Send idle warm sessions cold; returns their ids."""
+        now = now if now is not None else time.monotonic()
+        idle = [s for s in self.m.live.values()
+                if not s.turn_running and now - s.last_active >= self.m.settings.warm_idle_s
+                and s.id not in self.m.pins]
+        demoted: list[str] = []
+        for state in idle:
+            async with state.lock:
+                if state.turn_running:
+                    continue
+                await self.m.go_cold(state)
+                demoted.append(state.id)
+        return demoted

@@ -1,0 +1,44 @@
+"""A session's in-memory state while it is hot or warm."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from chatcore.sessions.turn import TurnFrames
+
+
+@dataclass(eq=False)
+class SessionState:
+    id: str
+    tenant_id: str
+    title: str
+    system_prompt: str | None
+    scope_key: str
+    # The canonical token history: exactly what the model has seen, turn after turn.
+    tokens: list[int] = field(default_factory=list)
+    # Completed turns as messages (the system prompt first, if any): what the template renders.
+    messages: list[dict[str, str]] = field(default_factory=list)
+    turn_count: int = 0
+    next_seq: int = 0
+    last_active: float = field(default_factory=time.monotonic)
+    current: TurnFrames | None = None
+    running: asyncio.Task[None] | None = None
+    request_id: str | None = None
+    cancel_reason: str | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Set while a client socket is attached; the grace timer runs while it is None mid-turn.
+    grace_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def turn_running(self) -> bool:
+        return self.running is not None and not self.running.done()
+
+    def history(self) -> list[dict[str, str]]:
+        """Completed user and assistant messages, for the client."""
+        return [m for m in self.messages if m["role"] != "system"]
+
+    def take_seq(self) -> int:
+        self.next_seq += 1
+        return self.next_seq

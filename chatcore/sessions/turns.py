@@ -1,0 +1,262 @@
+"""Running one turn of a session: prompt, prefix, stream, persist, pin.
+
+Order of a turn:
+1. The new user turn's tokens are appended to the canonical history (only those tokens).
+2. The rows (user turn, assistant turn in flight) and a range of frame numbers are written.
+3. The prefix: the session's pinned chain if hot; else the pool's longest hit, extended by
+   blocks read back from the disk tier (verified); the rest is recomputed.
+4. Tokens stream as frames. A cancel or a disconnect aborts the request.
+5. The answer's ids join the history with the template's end-of-turn tokens; the turn, the
+   chain and the last frame number are written in one transaction, and only then is `done`
+   sent. The request's table becomes the session's pin; new full blocks go to the disk tier
+   in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import aclosing
+from typing import TYPE_CHECKING
+
+from chatcore.cache import BlockTable, chain_hashes, longest_prefix
+from chatcore.engine.core import EngineCore
+from chatcore.engine.outputs import RequestOutput
+from chatcore.engine.request import Request, SamplingParams
+from chatcore.engine.scheduler import RequestRejected
+from chatcore.sessions.manager import Busy, TooLarge
+from chatcore.sessions.state import SessionState
+from chatcore.sessions.turn import TurnFrames
+from chatcore.store.repos import Repos, TurnStats
+
+if TYPE_CHECKING:
+    from chatcore.sessions.manager import SessionManager
+
+log = logging.getLogger(__name__)
+HISTORY_REASONS = {"stop", "length", "cancelled", "disconnected"}
+
+
+class TurnRunner:
+    def __init__(self, manager: SessionManager) -> None:
+        self.m = manager
+        self.engine = manager.engine
+        self.background: set[asyncio.Task[object]] = set()
+
+    async def start(self, state: SessionState, content: str, params: SamplingParams,
+                    client_id: str | None = None) -> TurnFrames:
+        """Start a turn, or return the turn this `client_id` already started (idempotency)."""
+        async with state.lock:
+            if client_id is not None and state.current is not None and state.current.client_id == client_id:
+                return state.current
+            if state.turn_running:
+                raise Busy("a turn is already running in this session")
+            if self.m.active_turns[state.tenant_id] >= self.m.settings.max_turns_per_tenant:
+                raise Busy(f"the tenant already runs {self.m.settings.max_turns_per_tenant} turns")
+            prompt, added, use_pin = self._prompt(state, content)
+            if added > self.m.settings.max_message_tokens:
+                raise TooLarge(f"the message is {added} tokens; the limit is {self.m.settings.max_message_tokens}")
+            req = self.engine.make_request(prompt, params, scope_key=state.scope_key)
+            req.keep_table = True
+            try:
+                self.engine.core.scheduler.check_fits(req)
+            except RequestRejected as exc:
+                raise TooLarge(str(exc)) from exc
+            exchange = state.turn_count // 2
+            reserve = 3 + params.max_tokens * params.num_sequences
+            async with self.m.sessionmaker() as db, db.begin():
+                repos = Repos(db)
+                first = await repos.sessions.reserve_seq(state.id, reserve)
+                await repos.turns.add_turn(state.id, "user", content, prompt[len(prompt) - added:],
+                                           client_id=client_id)
+                assistant = await repos.turns.add_turn(state.id, "assistant", "", [], client_id=client_id)
+                await repos.sessions.touch(state.id)
+            state.next_seq = max(state.next_seq, first)
+            state.turn_count += 2
+            state.last_active = time.monotonic()
+            frames = TurnFrames(exchange, client_id, state.take_seq)
+            state.current = frames
+            state.request_id = req.request_id
+            state.cancel_reason = None
+            self.m.active_turns[state.tenant_id] += 1
+            state.running = asyncio.create_task(
+                self._run(state, frames, req, content, use_pin, assistant.id), name=f"turn-{state.id}")
+            return frames
+
+    def _prompt(self, state: SessionState, content: str) -> tuple[list[int], int, bool]:
+        """(prompt tokens, tokens this turn adds, whether the pinned chain is a prefix of it)."""
+        template = self.m.template
+        if not state.tokens:
+            prompt = template.first_turn(state.system_prompt, content)
+            return prompt, len(prompt), False
+        delta = template.next_turn(state.messages, content)
+        if delta.rerendered:
+            return delta.tokens, len(delta.tokens), False
+        return state.tokens + delta.tokens, len(delta.tokens), True
+
+    async def cancel(self, state: SessionState, reason: str = "cancelled") -> None:
+        if state.turn_running and state.request_id is not None:
+            state.cancel_reason = reason
+            await self.engine.abort(state.request_id)
+
+    # ----- the turn task ---------------------------------------------------------------------
+    async def _run(self, state: SessionState, frames: TurnFrames, req: Request, content: str,
+                   use_pin: bool, assistant_id: int) -> None:
+        final: RequestOutput | None = None
+        error: str | None = None
+        try:
+            frames.emit({"type": "start"})
+            await self._attach_prefix(state, req, use_pin)
+            async with aclosing(self.engine.generate(req)) as stream:
+                async for out in stream:
+                    for delta in out.deltas:
+                        if delta.text:
+                            frames.emit({"type": "token", "index": delta.index, "text": delta.text})
+                    if out.finished:
+                        final = out
+        except Exception as exc:  # the turn fails, the session and the server live on
+            log.exception("turn failed in session %s", state.id)
+            error = f"{type(exc).__name__}"
+        try:
+            await self._finish(state, frames, req, content, final, error, assistant_id)
+        finally:
+            self.m.active_turns[state.tenant_id] -= 1
+            state.request_id = None
+            state.last_active = time.monotonic()
+
+    async def _attach_prefix(self, state: SessionState, req: Request, use_pin: bool) -> None:
+        prompt = req.prompt
+        disk = self.m.disk
+        bs = self.engine.core.pool.block_size
+        max_blocks = (len(prompt) - 1) // bs
+
+        def take_pin(core: EngineCore) -> int:
+            table = self.m.pins.take(state.id)
+            if table is not None:
+                if use_pin and table.num_tokens < len(prompt):
+                    req.prefix_table = table
+                    return -1
+                table.release()
+            return len(longest_prefix(core.pool.find, prompt, bs, req.salt, max_blocks)[0])
+
+        device_blocks = await self.engine.call(take_pin)
+        if device_blocks < 0 or disk is None or device_blocks >= max_blocks:
+            return
+        hashes = chain_hashes(prompt, bs, req.salt)[device_blocks:max_blocks]
+        tensors = await disk.load(hashes)
+        if not tensors:
+            return
+
+        def install(core: EngineCore) -> None:
+            ids, found = longest_prefix(core.pool.find, prompt, bs, req.salt, max_blocks)
+            skip = len(ids) - device_blocks
+            usable = tensors[skip:] if skip >= 0 else []
+            table = BlockTable.from_prefix(core.pool, ids, found, owner=req.request_id)
+            if usable and core.pool.can_admit(len(usable)):
+                table.append_slots(len(usable) * bs)
+                for j, tensor in enumerate(usable):
+                    core.kv.write_block(table.block_ids[len(ids) + j], tensor)
+                table.commit(prompt, (len(ids) + len(usable)) * bs, req.salt)
+                req.cached_disk_tokens = len(usable) * bs
+            req.prefix_table = table
+
+        await self.engine.call(install)
+
+    async def _finish(self, state: SessionState, frames: TurnFrames, req: Request, content: str,
+                      final: RequestOutput | None, error: str | None, assistant_id: int) -> None:
+        if final is not None and final.outputs:
+            best = final.outputs[0]
+            reason = best.finish_reason
+            if reason == "cancelled":
+                reason = state.cancel_reason or "cancelled"
+            elif reason not in HISTORY_REASONS:
+                error = final.error or reason
+                reason = "error"
+            text, generated = best.text, best.token_ids
+        else:
+            reason, text, generated = "error", "", []
+        if reason in HISTORY_REASONS:
+            state.tokens = req.prompt + generated + self.m.template.close_answer(generated)
+            if state.system_prompt and not state.messages:
+                state.messages.append({"role": "system", "content": state.system_prompt})
+            state.messages += [{"role": "user", "content": content}, {"role": "assistant", "content": text}]
+        usage = final.usage if final is not None else None
+        timings = final.timings if final is not None else None
+        disk_tokens = usage.cached_disk_tokens if usage else 0
+        cached = usage.cached_tokens if usage else 0
+        stats = TurnStats(
+            prompt_tokens=len(req.prompt), cached_tokens=cached, cached_device_tokens=cached - disk_tokens,
+            cached_disk_tokens=disk_tokens, recomputed_tokens=len(req.prompt) - cached,
+            completion_tokens=usage.completion_tokens if usage else 0,
+            queue_ms=timings.queue_ms if timings else None, ttft_ms=timings.ttft_ms if timings else None,
+            total_ms=timings.total_ms if timings else None)
+        alternatives = [o.text for o in final.outputs[1:]] if final is not None and len(final.outputs) > 1 else None
+        salt = self.engine.core.salt(state.scope_key)
+        bs = self.engine.core.pool.block_size
+        last_seq = state.next_seq + 1  # the done frame's number
+        async with self.m.sessionmaker() as db, db.begin():
+            repos = Repos(db)
+            await repos.turns.finish_turn(assistant_id, content=text, token_ids=generated, finish_reason=reason,
+                                          stats=stats, alternatives=alternatives)
+            await repos.chains.save_chain(state.id, state.tokens, chain_hashes(state.tokens, bs, salt), bs,
+                                          len(state.tokens))
+            await repos.sessions.set_seq(state.id, last_seq)
+            await repos.sessions.touch(state.id)
+        self.m.metrics.record_request(reason, stats.prompt_tokens, stats.cached_device_tokens,
+                                      stats.cached_disk_tokens, stats.queue_ms, stats.ttft_ms,
+                                      timings.inter_token_ms if timings else [])
+        await self._pin(state, req)
+        if error is not None:
+            code = "busy" if "max_queue_wait_s" in (error or "") or error == "busy" else "internal"
+            frames.emit_error(code, "no capacity right now, try again" if code == "busy" else "the turn failed")
+        frames.emit({
+            "type": "done", "finish_reason": reason,
+            "usage": {"prompt_tokens": stats.prompt_tokens, "cached_tokens": stats.cached_tokens,
+                      "completion_tokens": stats.completion_tokens,
+                      "cached_device_tokens": stats.cached_device_tokens,
+                      "cached_disk_tokens": stats.cached_disk_tokens,
+                      "recomputed_tokens": stats.recomputed_tokens},
+            "timing": {"queue_ms": stats.queue_ms, "ttft_ms": stats.ttft_ms, "total_ms": stats.total_ms},
+        })
+
+    async def _pin(self, state: SessionState, req: Request) -> None:
+        """The finished request's table becomes the session's pin; new full blocks go to disk."""
+        disk = self.m.disk
+
+        def pin(core: EngineCore) -> list[bytes]:
+            table = req.kept_table
+            req.kept_table = None
+            if table is None or table.released:
+                return []
+            if state.id not in self.m.live:  # deleted meanwhile
+                table.release()
+                return []
+            self.m.pins.pin(state.id, table)
+            return list(table.hashes)
+
+        hashes = await self.engine.call(pin)
+        if disk is None or not hashes:
+            return
+        task = asyncio.create_task(self._write_through(hashes))
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def _write_through(self, hashes: list[bytes]) -> None:
+        disk = self.m.disk
+        assert disk is not None
+        try:
+            todo = await disk.filter_unknown(hashes)
+            if not todo:
+                return
+
+            def read(core: EngineCore) -> list[tuple[bytes, object]]:
+                out = []
+                for block_hash in todo:
+                    block_id = core.pool.index.get(block_hash)
+                    if block_id is not None and core.pool.blocks[block_id].hash == block_hash:
+                        out.append((block_hash, core.kv.read_block(block_id)))
+                return out
+
+            await disk.save(await self.engine.call(read))  # type: ignore[arg-type]
+        except Exception:
+            log.exception("disk tier write failed")
