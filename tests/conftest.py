@@ -60,3 +60,13 @@ def make_core(loaded_fp32):
         report = audit(core.pool)
         assert report.ok, report.format()
         assert report.used == 0, f"blocks still in use after the test:\n{report.format()}"
+
+
+@pytest.fixture(scope="session")
+def live_server(tmp_path_factory, default_model_dir: Path):
+    """A real server process in open mode (no keys) with the default model, shared by a test session."""
+    from tests.server_helpers import start_server
+
+    server = start_server(tmp_path_factory.mktemp("live-server"))
+    yield server
+    server.stop()

@@ -1,0 +1,125 @@
+"""A real `chatcore serve` process on a free loopback port, for tests that speak HTTP and WebSocket."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import websockets
+
+STARTUP_TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    base_url: str
+    data_dir: Path
+    proc: subprocess.Popen[bytes]
+    env: dict[str, str]
+    log_path: Path
+    admin_key: str | None = None
+    keys: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ws_url(self) -> str:
+        return self.base_url.replace("http://", "ws://") + "/v1/ws"
+
+    def get(self, path: str, key: str | None = None) -> tuple[int, Any]:
+        return self.request("GET", path, key=key)
+
+    def request(self, method: str, path: str, body: Any = None, key: str | None = None,
+                headers: dict[str, str] | None = None) -> tuple[int, Any]:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.base_url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        for name, value in (headers or {}).items():
+            req.add_header(name, value)
+        if key:
+            req.add_header("Authorization", f"Bearer {key}")
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                raw = resp.read()
+                status = resp.status
+        except urllib.error.HTTPError as err:
+            raw, status = err.read(), err.code
+        text = raw.decode()
+        try:
+            return status, json.loads(text) if text else None
+        except ValueError:
+            return status, text
+
+    def connect(self, key: str | None = None, **kwargs: Any) -> Any:
+        url = self.ws_url + (f"?api_key={key}" if key else "")
+        return websockets.connect(url, max_size=None, **kwargs)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_server(data_dir: Path, **settings: str) -> LiveServer:
+    """Start `chatcore serve` with CHATCORE_* settings; returns once /healthz answers."""
+    port = free_port()
+    env = {**os.environ, "CHATCORE_DATA_DIR": str(data_dir), "CHATCORE_PORT": str(port),
+           "CHATCORE_HOST": "127.0.0.1", "CHATCORE_KV_CACHE_GB": "0.25"}
+    env.update({f"CHATCORE_{k.upper()}": str(v) for k, v in settings.items()})
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log_path = data_dir / f"server-{port}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "chatcore.cli", "serve"], env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    server = LiveServer(f"http://127.0.0.1:{port}", data_dir, proc, env, log_path)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"chatcore serve exited with {proc.returncode}:\n{server.log()}")
+        try:
+            with urllib.request.urlopen(server.base_url + "/healthz", timeout=2) as resp:
+                if resp.status == 200:
+                    return server
+        except OSError:
+            time.sleep(0.2)  # polling for the port to open, not synchronising on work
+    server.stop(signal.SIGKILL)
+    raise RuntimeError(f"chatcore serve did not answer /healthz in time:\n{server.log()}")
+
+
+def create_key(server: LiveServer, tenant: str, admin: bool = False) -> str:
+    args = [sys.executable, "-m", "chatcore.cli", "keys", "create", "--tenant", tenant] + (["--admin"] if admin else [])
+    out = subprocess.run(args, env=server.env, capture_output=True, text=True, check=True, timeout=60)
+    return out.stdout.strip().splitlines()[-1]
+
+
+async def recv_until(ws: Any, kind: str, timeout: float = 120) -> list[dict[str, Any]]:
+    """Frames up to and including the first of type `kind`."""
+    import asyncio
+
+    frames = []
+    async with asyncio.timeout(timeout):
+        while True:
+            frame = json.loads(await ws.recv())
+            frames.append(frame)
+            if frame["type"] == kind:
+                return frames
