@@ -1,0 +1,707 @@
+// The page: wires the session list, the transcript, the composer, settings and the cache
+// panel to ChatSession controllers (session.js). Rendering is batched per animation frame.
+
+import { CachePanel } from "./cache-panel.js";
+import { Api, ApiError } from "./protocol.js";
+import { ChatSession } from "./session.js";
+import { store } from "./store.js";
+import { h, hydrateIcons, icon, relativeTime, renderMessage, updateAssistantMessage } from "./ui.js";
+
+const PRESETS = [
+  {
+    name: "Assistant",
+    text:
+      "You are chatcore's assistant: helpful, honest and concise. Answer the user's questions clearly and accurately. " +
+      "Use Markdown when it helps: short paragraphs, bullet lists, and fenced code blocks with a language tag for any code.",
+  },
+  {
+    name: "Coder",
+    text:
+      "You are a senior software engineer. Give correct, idiomatic and well-tested code with a short explanation. " +
+      "Put every code sample in a fenced code block with its language, prefer the standard library, and point out edge cases.",
+  },
+  {
+    name: "Storyteller",
+    text:
+      "You are a creative storyteller. Write vivid, imaginative and well-paced stories with memorable characters, " +
+      "concrete sensory details and a satisfying ending. Keep the language simple enough for a young reader.",
+  },
+  { name: "None", text: "" },
+];
+
+const $ = (id) => document.getElementById(id);
+const el = {
+  app: $("app"),
+  sidebar: $("sidebar"),
+  backdrop: $("backdrop"),
+  menuBtn: $("menu-btn"),
+  sidebarClose: $("sidebar-close"),
+  newSession: $("new-session"),
+  sessionList: $("session-list"),
+  sessionEmpty: $("session-empty"),
+  title: $("chat-title"),
+  meta: $("chat-meta"),
+  connection: $("connection"),
+  connectionLabel: $("connection-label"),
+  cacheToggle: $("cache-toggle"),
+  cachePanel: $("cache-panel"),
+  banner: $("banner"),
+  bannerText: $("banner-text"),
+  bannerAction: $("banner-action"),
+  transcript: $("transcript"),
+  welcome: $("welcome"),
+  presets: $("presets"),
+  systemPrompt: $("system-prompt"),
+  systemCard: $("system-card"),
+  systemCardText: $("system-card-text"),
+  messages: $("messages"),
+  jump: $("jump"),
+  composer: $("composer"),
+  input: $("composer-input"),
+  send: $("send"),
+  stop: $("stop"),
+  samplingSummary: $("sampling-summary"),
+  settings: $("settings"),
+  temperature: $("temperature"),
+  temperatureOut: $("temperature-out"),
+  maxTokens: $("max-tokens"),
+  apiKey: $("api-key"),
+  apiKeyHelp: $("api-key-help"),
+  toasts: $("toasts"),
+};
+
+let settings = store.settings();
+const getKey = () => settings.apiKey || "";
+const api = new Api(getKey);
+
+const controllers = new Map(); // session id -> ChatSession with a socket
+let current = null; // the ChatSession on screen (id null: a new chat not sent yet)
+let serverSessions = []; // GET /v1/sessions
+const msgEls = new Map(); // message key -> element, for the session on screen
+const dirty = new Set();
+let frameQueued = false;
+let stickToBottom = true;
+let editing = null; // {id, mode: "rename"|"delete"}
+
+// ---- toasts and banner ----------------------------------------------------------------
+
+function toast(text, kind = "info") {
+  const t = h("div", { class: `toast toast-${kind}` }, text);
+  el.toasts.appendChild(t);
+  setTimeout(() => t.classList.add("toast-out"), 5000);
+  setTimeout(() => t.remove(), 5600);
+}
+
+function showBanner(text, actionLabel, action) {
+  el.bannerText.textContent = text;
+  el.bannerAction.textContent = actionLabel;
+  el.bannerAction.onclick = () => {
+    hideBanner();
+    action();
+  };
+  el.banner.hidden = false;
+}
+
+function hideBanner() {
+  el.banner.hidden = true;
+}
+
+// ---- controllers ------------------------------------------------------------------------
+
+function makeController(opts) {
+  const s = new ChatSession({ api, getKey, ...opts });
+  const mine = () => s === current;
+  s.addEventListener("reset", () => mine() && renderTranscript());
+  s.addEventListener("message", (e) => mine() && onMessage(e.detail.msg));
+  s.addEventListener("removed", (e) => {
+    if (!mine()) return;
+    const node = msgEls.get(e.detail.msg.key);
+    if (node) node.remove();
+    msgEls.delete(e.detail.msg.key);
+    updateWelcome();
+  });
+  s.addEventListener("running", () => {
+    if (mine()) updateComposer();
+    markRunning(s);
+  });
+  s.addEventListener("conn", () => mine() && updateConnection());
+  s.addEventListener("meta", () => {
+    if (mine()) updateHeader();
+    const row = serverSessions.find((x) => x.id === s.id);
+    if (row && s.title && row.title !== s.title) {
+      row.title = s.title;
+      renderSessionList();
+    }
+  });
+  s.addEventListener("created", () => {
+    controllers.set(s.id, s);
+    if (mine()) store.setCurrent(s.id);
+    if (!serverSessions.some((x) => x.id === s.id)) {
+      serverSessions.unshift({ id: s.id, title: s.title, state: "hot", turns: 0, last_active_at: new Date().toISOString() });
+    }
+    renderSessionList();
+    updateHeader();
+    refreshSessions();
+  });
+  s.addEventListener("done", () => {
+    refreshSessions();
+    cachePanel.refresh();
+    if (!mine()) {
+      s.close();
+      controllers.delete(s.id);
+    }
+  });
+  s.addEventListener("rejected", (e) => {
+    if (!mine()) return;
+    if (!el.input.value) {
+      el.input.value = e.detail.content;
+      autosize();
+    }
+    updateComposer();
+    toast(`Not sent (${e.detail.code}): ${e.detail.message}`, "error");
+  });
+  s.addEventListener("notice", (e) => mine() && toast(e.detail.text, e.detail.kind));
+  s.addEventListener("gone", () => {
+    toast("That chat no longer exists on the server.", "error");
+    forget(s.id);
+    if (mine()) newChat();
+  });
+  s.addEventListener("conflict", () => {
+    if (!mine()) {
+      controllers.delete(s.id);
+      return;
+    }
+    updateConnection();
+    showBanner("This chat was opened in another tab or window.", "Use it here", () => s.takeOver());
+  });
+  s.addEventListener("auth", () => {
+    if (mine()) updateConnection();
+    openSettings("This server needs a valid API key.");
+  });
+  return s;
+}
+
+function forget(id) {
+  store.forgetSession(id);
+  const c = controllers.get(id);
+  if (c) c.close();
+  controllers.delete(id);
+  serverSessions = serverSessions.filter((x) => x.id !== id);
+  renderSessionList();
+}
+
+function leaveCurrent() {
+  const s = current;
+  if (!s) return;
+  if (s.id && !s.running) {
+    s.close();
+    controllers.delete(s.id);
+  } else if (!s.id && !s.running) {
+    s.close();
+  }
+}
+
+function show(session) {
+  current = session;
+  hideBanner();
+  editing = null;
+  renderTranscript();
+  updateHeader();
+  updateComposer();
+  updateConnection();
+  renderSessionList();
+  cachePanel.refresh();
+}
+
+function newChat() {
+  leaveCurrent();
+  store.setCurrent(null);
+  show(makeController({}));
+  closeSidebar();
+  el.systemPrompt.focus({ preventScroll: true });
+}
+
+function openSession(id) {
+  if (current && current.id === id) {
+    closeSidebar();
+    return;
+  }
+  leaveCurrent();
+  let s = controllers.get(id);
+  if (!s) {
+    const row = serverSessions.find((x) => x.id === id);
+    s = makeController({ id, title: row ? row.title : store.session(id)?.title || "" });
+    controllers.set(id, s);
+  }
+  store.setCurrent(id);
+  show(s);
+  s.connect();
+  closeSidebar();
+  el.input.focus({ preventScroll: true });
+}
+
+// ---- transcript -------------------------------------------------------------------------
+
+function renderTranscript() {
+  msgEls.clear();
+  dirty.clear();
+  const nodes = current.messages.map((m) => {
+    const node = renderMessage(m);
+    msgEls.set(m.key, node);
+    return node;
+  });
+  el.messages.replaceChildren(...nodes);
+  updateWelcome();
+  stickToBottom = true;
+  scrollToBottom();
+}
+
+function updateWelcome() {
+  const draft = current && current.id === null && current.messages.length === 0;
+  el.welcome.hidden = !draft;
+  const sp = current && current.systemPrompt;
+  el.systemCard.hidden = draft || !sp;
+  el.systemCardText.textContent = sp || "";
+  el.transcript.classList.toggle("is-empty", draft);
+}
+
+function onMessage(msg) {
+  let node = msgEls.get(msg.key);
+  if (!node) {
+    node = renderMessage(msg);
+    msgEls.set(msg.key, node);
+    // keep DOM order equal to the model's order
+    const idx = current.messages.indexOf(msg);
+    let before = null;
+    for (let i = idx + 1; i < current.messages.length && !before; i++) before = msgEls.get(current.messages[i].key) || null;
+    el.messages.insertBefore(node, before && before.parentNode === el.messages ? before : null);
+    updateWelcome();
+    scheduleScroll();
+    return;
+  }
+  if (msg.role === "assistant") {
+    dirty.add(msg);
+    queueFrame();
+  }
+}
+
+function queueFrame() {
+  if (frameQueued) return;
+  frameQueued = true;
+  requestAnimationFrame(() => {
+    frameQueued = false;
+    for (const msg of dirty) {
+      const node = msgEls.get(msg.key);
+      if (node) updateAssistantMessage(node, msg);
+    }
+    dirty.clear();
+    if (stickToBottom) scrollToBottom();
+  });
+}
+
+function scheduleScroll() {
+  if (stickToBottom) queueFrame();
+}
+
+function scrollToBottom() {
+  el.transcript.scrollTop = el.transcript.scrollHeight;
+}
+
+el.transcript.addEventListener(
+  "scroll",
+  () => {
+    const gap = el.transcript.scrollHeight - el.transcript.scrollTop - el.transcript.clientHeight;
+    stickToBottom = gap < 80;
+    el.jump.hidden = stickToBottom;
+  },
+  { passive: true }
+);
+el.jump.addEventListener("click", () => {
+  stickToBottom = true;
+  el.jump.hidden = true;
+  el.transcript.scrollTo({ top: el.transcript.scrollHeight, behavior: "smooth" });
+});
+
+el.messages.addEventListener("click", async (e) => {
+  const btn = e.target.closest("[data-action='copy-code']");
+  if (!btn) return;
+  const code = btn.closest(".codeblock")?.querySelector("code");
+  const text = code ? code.textContent : "";
+  try {
+    await navigator.clipboard.writeText(text);
+    btn.textContent = "Copied";
+  } catch {
+    btn.textContent = "Copy failed";
+  }
+  setTimeout(() => (btn.textContent = "Copy"), 1500);
+});
+
+// ---- header ----------------------------------------------------------------------------
+
+function updateHeader() {
+  const s = current;
+  const title = s && s.id ? s.title || "Untitled chat" : "New chat";
+  el.title.textContent = title;
+  document.title = `${title} · chatcore`;
+  const parts = [];
+  const info = s && s.info;
+  if (info) {
+    if (info.state) parts.push(info.state);
+    const c = info.cache || {};
+    if (typeof c.history_tokens === "number") parts.push(`${c.history_tokens.toLocaleString("en-US")} tokens`);
+    if (typeof c.device_blocks === "number") parts.push(`${c.device_blocks} blocks on device`);
+  } else if (!s || !s.id) {
+    parts.push("Not started");
+  }
+  el.meta.textContent = parts.join(" · ");
+  el.meta.title = info && info.state ? `Session state: hot (KV on the device), warm or cold (KV on disk / recomputed)` : "";
+  updateWelcome();
+}
+
+function updateConnection() {
+  const s = current;
+  const state = s ? s.connState : "closed";
+  el.connection.dataset.state = state;
+  let label = "Idle";
+  if (state === "open") label = "Connected";
+  else if (state === "connecting") label = s && s.socket && s.socket.attempt > 0 ? "Reconnecting…" : "Connecting…";
+  else if (s && s.id) label = "Disconnected";
+  el.connectionLabel.textContent = label;
+  el.connection.title = `WebSocket: ${state}`;
+}
+
+// ---- composer --------------------------------------------------------------------------
+
+function autosize() {
+  el.input.style.height = "auto";
+  el.input.style.height = `${Math.min(el.input.scrollHeight, Math.round(window.innerHeight * 0.4))}px`;
+}
+
+function updateComposer() {
+  const running = !!(current && current.running);
+  el.stop.disabled = !running;
+  el.send.disabled = running || !el.input.value.trim();
+  el.composer.classList.toggle("is-running", running);
+  el.samplingSummary.textContent = `temperature ${Number(settings.temperature).toFixed(2).replace(/\.?0+$/, "") || "0"} · max ${settings.maxTokens} tokens`;
+}
+
+function submit() {
+  const text = el.input.value;
+  if (!text.trim() || !current || current.running) return;
+  if (current.id === null && current.messages.length === 0) {
+    current.systemPrompt = el.systemPrompt.value.trim() || null;
+  }
+  const params = { temperature: Number(settings.temperature), max_tokens: Number(settings.maxTokens) };
+  if (current.sendMessage(text, params)) {
+    el.input.value = "";
+    autosize();
+    stickToBottom = true;
+    updateComposer();
+    updateWelcome();
+  }
+}
+
+el.composer.addEventListener("submit", (e) => {
+  e.preventDefault();
+  submit();
+});
+el.input.addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && !e.shiftKey && !e.isComposing && e.keyCode !== 229) {
+    e.preventDefault();
+    submit();
+  } else if (e.key === "Escape" && current && current.running) {
+    e.preventDefault();
+    current.cancel();
+  }
+});
+el.input.addEventListener("input", () => {
+  autosize();
+  updateComposer();
+});
+el.stop.addEventListener("click", () => current && current.cancel());
+
+function renderPresets() {
+  const buttons = PRESETS.map((p) => {
+    const b = h("button", { type: "button", class: "chip", "aria-pressed": "false" }, p.name);
+    b.addEventListener("click", () => {
+      el.systemPrompt.value = p.text;
+      syncPresets();
+      el.input.focus();
+    });
+    return b;
+  });
+  el.presets.replaceChildren(...buttons);
+  el.systemPrompt.value = PRESETS[0].text;
+  el.systemPrompt.addEventListener("input", syncPresets);
+  syncPresets();
+}
+
+function syncPresets() {
+  const value = el.systemPrompt.value.trim();
+  [...el.presets.children].forEach((b, i) => b.setAttribute("aria-pressed", String(PRESETS[i].text === value)));
+}
+
+// ---- session list ----------------------------------------------------------------------
+
+let refreshTimer = null;
+function refreshSessions() {
+  clearTimeout(refreshTimer);
+  refreshTimer = setTimeout(loadSessions, 250);
+}
+
+async function loadSessions() {
+  try {
+    const list = await api.listSessions();
+    serverSessions = Array.isArray(list) ? list : list.sessions || [];
+    const ids = new Set(serverSessions.map((s) => s.id));
+    for (const id of store.knownSessionIds()) {
+      if (!ids.has(id) && !(current && current.id === id && current.running)) store.forgetSession(id);
+    }
+    if (current && current.id && !ids.has(current.id) && current.loaded && !current.running) {
+      // deleted elsewhere
+      toast("This chat was deleted.", "info");
+      newChat();
+    }
+    renderSessionList();
+  } catch (err) {
+    if (err instanceof ApiError && (err.status === 401 || err.status === 403)) openSettings("This server needs a valid API key.");
+  }
+}
+
+function markRunning(s) {
+  const li = el.sessionList.querySelector(`[data-session-id="${CSS.escape(s.id || "")}"]`);
+  if (li) li.classList.toggle("is-running", s.running);
+}
+
+function renderSessionList() {
+  const items = serverSessions.map((s) => sessionItem(s));
+  el.sessionList.replaceChildren(...items);
+  el.sessionEmpty.hidden = items.length > 0;
+}
+
+function sessionItem(s) {
+  const active = !!(current && current.id === s.id);
+  const running = !!controllers.get(s.id)?.running;
+  const title = s.title || "Untitled chat";
+  const li = h("li", {
+    class: `session-item${active ? " is-active" : ""}${running ? " is-running" : ""}`,
+    "data-testid": "session-item",
+    dataset: { sessionId: s.id },
+  });
+  if (editing && editing.id === s.id && editing.mode === "rename") {
+    const input = h("input", { type: "text", class: "rename-input", value: s.title || "", "aria-label": "Chat title", maxlength: "255" });
+    const save = async () => {
+      const value = input.value.trim();
+      editing = null;
+      if (value && value !== s.title) {
+        try {
+          await api.renameSession(s.id, value);
+          s.title = value;
+          const c = controllers.get(s.id);
+          if (c) c.title = value;
+          store.saveSession(s.id, { title: value });
+          if (current && current.id === s.id) {
+            current.title = value;
+            updateHeader();
+          }
+        } catch (err) {
+          toast(`Rename failed: ${err.message}`, "error");
+        }
+      }
+      renderSessionList();
+      el.sessionList.querySelector(`[data-session-id="${CSS.escape(s.id)}"] .session-open`)?.focus();
+    };
+    input.addEventListener("keydown", (e) => {
+      if (e.key === "Enter") {
+        e.preventDefault();
+        save();
+      } else if (e.key === "Escape") {
+        e.preventDefault();
+        editing = null;
+        renderSessionList();
+        el.sessionList.querySelector(`[data-session-id="${CSS.escape(s.id)}"] .session-open`)?.focus();
+      }
+    });
+    input.addEventListener("blur", () => editing && save());
+    li.append(input);
+    queueMicrotask(() => {
+      input.focus();
+      input.select();
+    });
+    return li;
+  }
+  const open = h(
+    "button",
+    { type: "button", class: "session-open", "aria-current": active ? "page" : null },
+    h("span", { class: "session-title" }, title),
+    h(
+      "span",
+      { class: "session-meta" },
+      h("span", { class: `state-badge state-${s.state || "hot"}`, title: `Session state: ${s.state || "hot"}` }, s.state || "hot"),
+      `${s.turns ?? 0} turns · ${relativeTime(s.last_active_at)}`
+    )
+  );
+  open.addEventListener("click", () => openSession(s.id));
+  if (editing && editing.id === s.id && editing.mode === "delete") {
+    const yes = h("button", { type: "button", class: "btn btn-danger btn-small" }, "Delete");
+    const no = h("button", { type: "button", class: "btn btn-small" }, "Cancel");
+    yes.addEventListener("click", () => deleteSession(s.id));
+    no.addEventListener("click", () => {
+      editing = null;
+      renderSessionList();
+    });
+    li.append(h("div", { class: "confirm", role: "group", "aria-label": `Delete “${title}”?` }, h("span", {}, "Delete this chat?"), yes, no));
+    queueMicrotask(() => no.focus());
+    return li;
+  }
+  const rename = h("button", { type: "button", class: "icon-btn small", "aria-label": `Rename “${title}”`, title: "Rename" }, icon("edit"));
+  rename.addEventListener("click", () => {
+    editing = { id: s.id, mode: "rename" };
+    renderSessionList();
+  });
+  const del = h("button", { type: "button", class: "icon-btn small", "aria-label": `Delete “${title}”`, title: "Delete" }, icon("trash"));
+  del.addEventListener("click", () => {
+    editing = { id: s.id, mode: "delete" };
+    renderSessionList();
+  });
+  li.append(open, h("div", { class: "session-actions" }, rename, del));
+  return li;
+}
+
+async function deleteSession(id) {
+  editing = null;
+  try {
+    const c = controllers.get(id);
+    if (c) c.close();
+    await api.deleteSession(id);
+  } catch (err) {
+    if (!(err instanceof ApiError && err.status === 404)) {
+      toast(`Delete failed: ${err.message}`, "error");
+      renderSessionList();
+      return;
+    }
+  }
+  const wasCurrent = current && current.id === id;
+  forget(id);
+  if (wasCurrent) newChat();
+  cachePanel.refresh();
+  refreshSessions();
+}
+
+// ---- sidebar (phone) -------------------------------------------------------------------
+
+function openSidebar() {
+  document.body.classList.add("sidebar-open");
+  el.backdrop.hidden = false;
+  el.menuBtn.setAttribute("aria-expanded", "true");
+  el.newSession.focus();
+}
+
+function closeSidebar() {
+  if (!document.body.classList.contains("sidebar-open")) return;
+  document.body.classList.remove("sidebar-open");
+  el.backdrop.hidden = true;
+  el.menuBtn.setAttribute("aria-expanded", "false");
+}
+
+el.menuBtn.appendChild(icon("menu"));
+el.sidebarClose.appendChild(icon("close"));
+el.menuBtn.addEventListener("click", openSidebar);
+el.sidebarClose.addEventListener("click", () => {
+  closeSidebar();
+  el.menuBtn.focus();
+});
+el.backdrop.addEventListener("click", closeSidebar);
+el.newSession.addEventListener("click", newChat);
+document.addEventListener("keydown", (e) => {
+  if (e.key !== "Escape") return;
+  if (document.body.classList.contains("sidebar-open")) {
+    closeSidebar();
+    el.menuBtn.focus();
+  } else if (!el.cachePanel.hidden && window.matchMedia("(max-width: 1199px)").matches && !el.settings.open) {
+    setCachePanel(false);
+    el.cacheToggle.focus();
+  }
+});
+
+// ---- cache panel -----------------------------------------------------------------------
+
+const cachePanel = new CachePanel(el.cachePanel, api, {
+  getCurrentId: () => (current ? current.id : null),
+  onClose: () => {
+    setCachePanel(false);
+    el.cacheToggle.focus();
+  },
+  onOpenSession: (id) => openSession(id),
+});
+
+function setCachePanel(open) {
+  el.cacheToggle.setAttribute("aria-pressed", String(open));
+  document.body.classList.toggle("cache-open", open);
+  settings = store.saveSettings({ showCache: open });
+  if (open) cachePanel.open();
+  else cachePanel.close();
+}
+el.cacheToggle.addEventListener("click", () => setCachePanel(el.cachePanel.hidden));
+
+// ---- settings --------------------------------------------------------------------------
+
+function openSettings(message) {
+  el.temperature.value = settings.temperature;
+  el.temperatureOut.textContent = Number(settings.temperature).toFixed(2);
+  el.maxTokens.value = settings.maxTokens;
+  el.apiKey.value = settings.apiKey || "";
+  el.apiKeyHelp.classList.toggle("help-alert", !!message);
+  if (message) el.apiKeyHelp.textContent = message;
+  if (!el.settings.open) el.settings.showModal();
+  if (message) el.apiKey.focus();
+}
+
+el.temperature.addEventListener("input", () => {
+  const t = Math.max(0, Math.min(2, Number(el.temperature.value) || 0));
+  el.temperatureOut.textContent = t.toFixed(2);
+  settings = store.saveSettings({ temperature: t });
+  updateComposer();
+});
+el.maxTokens.addEventListener("input", () => {
+  const n = Math.round(Number(el.maxTokens.value));
+  if (Number.isFinite(n) && n >= 1) {
+    settings = store.saveSettings({ maxTokens: Math.min(n, 32768) });
+    updateComposer();
+  }
+});
+el.settings.addEventListener("close", () => {
+  const key = el.apiKey.value.trim();
+  if (key !== (settings.apiKey || "")) {
+    settings = store.saveSettings({ apiKey: key });
+    loadSessions();
+    if (current && current.socket) current.restart();
+    cachePanel.refresh();
+  }
+  el.apiKeyHelp.classList.remove("help-alert");
+});
+$("open-settings").addEventListener("click", () => openSettings());
+$("open-settings-side").addEventListener("click", () => {
+  closeSidebar();
+  openSettings();
+});
+el.samplingSummary.addEventListener("click", () => openSettings());
+
+// ---- start -----------------------------------------------------------------------------
+
+hydrateIcons();
+renderPresets();
+window.addEventListener("focus", () => refreshSessions());
+const saved = store.current();
+if (saved) {
+  const s = makeController({ id: saved, title: store.session(saved)?.title || "" });
+  controllers.set(saved, s);
+  show(s);
+  s.connect();
+} else {
+  show(makeController({}));
+}
+if (settings.showCache && window.matchMedia("(min-width: 1200px)").matches) setCachePanel(true);
+loadSessions();
+autosize();
+updateComposer();
