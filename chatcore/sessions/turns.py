@@ -94,6 +94,10 @@ class TurnRunner:
             return delta.tokens, len(delta.tokens), False
         return state.tokens + delta.tokens, len(delta.tokens), True
 
+    async def background_idle(self) -> None:
+        """Wait for the disk-tier writes started so far."""
+        await asyncio.gather(*list(self.background), return_exceptions=True)
+
     async def cancel(self, state: SessionState, reason: str = "cancelled") -> None:
         if state.turn_running and state.request_id is not None:
             state.cancel_reason = reason
