@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import Request, Response, delete, get, patch, post
+from sqlalchemy import func, select
 
 from chatcore.server.errors import ApiError
 from chatcore.server.services import Services
+from chatcore.store.models import Turn
 
 MAX_TITLE = 200
 MAX_SYSTEM_PROMPT = 100_000
@@ -29,7 +31,16 @@ def _optional_text(data: dict[str, Any], name: str, limit: int) -> str | None:
 @get("/v1/sessions")
 async def list_sessions(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
     principal = await request.app.state.auth.principal(request)
-    return await _services(request).sessions.list(principal.tenant_id)
+    services = _services(request)
+    sessions = await services.sessions.list(principal.tenant_id)
+    # "turns" (completed or running exchanges: one per user message) is part of the protocol.
+    async with services.sessionmaker() as db:
+        counts = dict((await db.execute(
+            select(Turn.session_id, func.count()).where(Turn.session_id.in_([s["id"] for s in sessions]),
+                                                        Turn.role == "user").group_by(Turn.session_id))).tuples().all())
+    for item in sessions:
+        item.setdefault("turns", counts.get(item["id"], 0))
+    return sessions
 
 
 @post("/v1/sessions", status_code=201)
