@@ -538,7 +538,7 @@ function sessionItem(s) {
       "span",
       { class: "session-meta" },
       h("span", { class: `state-badge state-${s.state || "hot"}`, title: `Session state: ${s.state || "hot"}` }, s.state || "hot"),
-      `${s.turns ?? 0} turns · ${relativeTime(s.last_active_at)}`
+      [typeof s.turns === "number" ? `${s.turns} turns` : null, relativeTime(s.last_active_at)].filter(Boolean).join(" · ")
     )
   );
   open.addEventListener("click", () => openSession(s.id));
