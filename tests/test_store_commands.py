@@ -10,7 +10,7 @@ from pathlib import Path
 from chatcore.store.commands import masked_url
 from chatcore.store.db import create_engine, create_sessionmaker
 from chatcore.store.repos import ApiKeyRepo
-from test_store_support import sqlite_url
+from tests.test_store_support import sqlite_url
 
 
 def _chatcore(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:

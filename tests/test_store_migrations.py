@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from chatcore.store.db import MIGRATIONS_DIR, create_engine, downgrade, migrate
 from chatcore.store.models import Base
-from test_store_support import database_url, engine  # noqa: F401  (fixtures)
+from tests.test_store_support import database_url, engine  # noqa: F401  (fixtures)
 
 TABLES = {"tenants", "api_keys", "sessions", "session_chains", "turns", "kv_blocks"}
 REPO_ROOT = MIGRATIONS_DIR.parent

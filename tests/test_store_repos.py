@@ -11,7 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from chatcore.store.models import ChatSession, KvBlock, SessionChain, Turn
 from chatcore.store.repos import Repos, TurnStats
-from test_store_support import database_url, engine, repos, sessionmaker  # noqa: F401  (fixtures)
+from tests.test_store_support import database_url, engine, repos, sessionmaker  # noqa: F401  (fixtures)
 
 Maker = async_sessionmaker[AsyncSession]
 H = [bytes([i]) * 16 for i in range(4)]
