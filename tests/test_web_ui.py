@@ -144,9 +144,10 @@ async def assert_matches_server(page, sid: str) -> None:
     assert shown == await rendered_text(page, stored)
 
 
-def shot(name: str) -> str:
+async def shot(page, name: str) -> None:
+    """A screenshot under artifacts/, with transitions and animations finished first."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    return str(ARTIFACTS / name)
+    await page.screenshot(path=str(ARTIFACTS / name), animations="disabled")
 
 
 # ---- tests ------------------------------------------------------------------------------
@@ -300,7 +301,7 @@ async def test_sessions_sharing_a_system_prompt_hit_the_cache(page):
     # hovering the first session's chain highlights its blocks, the shared ones included
     await panel.locator(f'.chain-row[data-session="{first}"] .chain-name').hover()
     await expect(both.first).to_have_class(re.compile(r"\bhl\b"))
-    await page.screenshot(path=shot("ui-1440-cache-panel.png"))
+    await shot(page, "ui-1440-cache-panel.png")
 
 
 async def test_html_in_messages_is_never_executed(page):
@@ -388,7 +389,7 @@ async def test_layout_at_phone_and_desktop_widths(page):
     menu = page.get_by_role("button", name="Show the chat list")
     await expect(new_session).to_be_hidden()  # the sidebar is collapsed behind the menu button
     await expect(menu).to_be_visible()
-    await page.screenshot(path=shot("ui-375-new-chat.png"))
+    await shot(page, "ui-375-new-chat.png")
 
     await send(page, "Show a tiny Python function that adds two numbers, in a code block.")
     await wait_finished(page)
@@ -397,13 +398,13 @@ async def test_layout_at_phone_and_desktop_widths(page):
     for testid in ("composer", "send", "connection"):
         box = await page.get_by_test_id(testid).bounding_box()
         assert box and box["x"] >= 0 and box["x"] + box["width"] <= 375, (testid, box)
-    await page.screenshot(path=shot("ui-375-chat.png"))
+    await shot(page, "ui-375-chat.png")
 
     await menu.click()
     await expect(new_session).to_be_visible()
     await expect(menu).to_have_attribute("aria-expanded", "true")
     await expect(new_session).to_be_focused()
-    await page.screenshot(path=shot("ui-375-sidebar.png"))
+    await shot(page, "ui-375-sidebar.png")
     await page.keyboard.press("Escape")
     await expect(new_session).to_be_hidden()
     await expect(menu).to_be_focused()
@@ -411,7 +412,13 @@ async def test_layout_at_phone_and_desktop_widths(page):
     await page.set_viewport_size({"width": 1440, "height": 900})
     await expect(new_session).to_be_visible()
     await expect(menu).to_be_hidden()
-    await page.screenshot(path=shot("ui-1440-chat.png"))
+    await shot(page, "ui-1440-chat.png")
+    await page.emulate_media(color_scheme="dark")
+    await shot(page, "ui-1440-chat-dark.png")
+    await page.set_viewport_size({"width": 375, "height": 812})
+    await shot(page, "ui-375-chat-dark.png")
+    await page.set_viewport_size({"width": 1440, "height": 900})
+    await page.emulate_media(color_scheme="light")
 
     # every control has an accessible name
     unnamed = await page.evaluate(

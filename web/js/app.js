@@ -106,6 +106,12 @@ function hideBanner() {
   el.banner.hidden = true;
 }
 
+/** Tell screen readers that an answer ended (streaming text itself is not announced). */
+function announce(msg) {
+  const words = { stop: "The answer is complete.", length: "The answer reached the max tokens.", cancelled: "The answer was stopped." };
+  $("sr-status").textContent = words[msg.finish] || `The answer ended: ${msg.finish}.`;
+}
+
 // ---- controllers ------------------------------------------------------------------------
 
 function makeController(opts) {
@@ -143,7 +149,8 @@ function makeController(opts) {
     updateHeader();
     refreshSessions();
   });
-  s.addEventListener("done", () => {
+  s.addEventListener("done", (e) => {
+    if (mine()) announce(e.detail.msg);
     refreshSessions();
     cachePanel.refresh();
     if (!mine()) {
@@ -538,7 +545,7 @@ function sessionItem(s) {
       "span",
       { class: "session-meta" },
       h("span", { class: `state-badge state-${s.state || "hot"}`, title: `Session state: ${s.state || "hot"}` }, s.state || "hot"),
-      [typeof s.turns === "number" ? `${s.turns} turns` : null, relativeTime(s.last_active_at)].filter(Boolean).join(" · ")
+      [typeof s.turns === "number" ? `${s.turns} turn${s.turns === 1 ? "" : "s"}` : null, relativeTime(s.last_active_at)].filter(Boolean).join(" · ")
     )
   );
   open.addEventListener("click", () => openSession(s.id));

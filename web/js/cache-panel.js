@@ -141,6 +141,7 @@ export class CachePanel {
     for (const [cls, n] of [["used", used], ["cached", cached], ["free", free]]) {
       const seg = h("span", { class: `occ-${cls}` });
       seg.style.flexGrow = String(n);
+      if (n > 0 && cls !== "free") seg.style.minWidth = "4px";
       bar.appendChild(seg);
     }
     const ok = audit.ok !== false;
@@ -159,6 +160,17 @@ export class CachePanel {
       ),
       h("p", { class: `audit ${ok ? "audit-ok" : "audit-bad"}` }, ok ? "Audit OK: every reference is accounted for" : `Audit failed: ${violations} violation(s)`)
     );
+    const saved = Math.max(0, sumRefs - used); // references served by a block stored once
+    if (saved > 0) {
+      this.summary.appendChild(
+        h(
+          "p",
+          { class: "cache-saving" },
+          h("b", {}, fmtInt(saved)),
+          ` block${saved === 1 ? "" : "s"}${bs ? ` (${fmtInt(saved * bs)} tokens)` : ""} of KV not stored twice, thanks to sharing`
+        )
+      );
+    }
 
     // chains
     const current = this.getCurrentId();

@@ -49,6 +49,16 @@ function makeMsg(role, content, extra = {}) {
   };
 }
 
+/** How many of `messages` the server's history holds: a turn that ended in `error` is not kept there. */
+export function canonicalCount(messages) {
+  let n = 0;
+  for (const m of messages) {
+    if (m.role === "assistant" && m.finish === "error") n -= 1; // and its user message
+    else n += 1;
+  }
+  return Math.max(0, n);
+}
+
 export class ChatSession extends EventTarget {
   constructor({ id = null, api, getKey, title = "", systemPrompt = null }) {
     super();
@@ -192,6 +202,7 @@ export class ChatSession extends EventTarget {
         // the history already holds this turn (it finished while we were away, or the server
         // lists it in flight): replayed frames only confirm its text and bring its statistics
         this.adopt = { msg: hist[p.base + 1], turn: p.turn, shadow: "", fromPending: true };
+        this.clearPending(); // nothing to resend: the server has the whole exchange
       } else {
         hist.length = Math.min(hist.length, p.base); // a running turn's user message is ours to show
         hist.push(makeMsg("user", p.user, { clientId: p.clientId }));
@@ -206,7 +217,7 @@ export class ChatSession extends EventTarget {
   reconcile(history) {
     // Same page, new socket: our messages stay, the replay continues the running turn.
     // Only if the server knows more completed turns than we show (another tab) do we rebuild.
-    const completed = this.messages.filter((m) => !m.streaming && !(m.role === "user" && this.isPendingUser(m))).length;
+    const completed = canonicalCount(this.messages.filter((m) => !m.streaming && !(m.role === "user" && this.isPendingUser(m))));
     const serverCount = history.filter((m) => m.role !== "system").length;
     const ours = this.running ? completed + 2 : completed;
     if (serverCount > ours) {
@@ -399,11 +410,11 @@ export class ChatSession extends EventTarget {
   sendMessage(content, params) {
     if (this.running) return false;
     const clientId = uuid();
-    const base = this.messages.length;
+    const base = canonicalCount(this.messages);
     this.messages.push(makeMsg("user", content, { clientId }));
     const reply = makeMsg("assistant", "", { streaming: true, waiting: true });
     this.messages.push(reply);
-    this.emit("message", { msg: this.messages[base] });
+    this.emit("message", { msg: this.messages[this.messages.length - 2] });
     this.emit("message", { msg: reply });
     this.pending = { clientId, user: content, params, base, startSeq: null, turn: null };
     this.setRunning(true);
@@ -458,15 +469,20 @@ export class ChatSession extends EventTarget {
       this.messages = hist.map((m) => makeMsg(m.role, m.content || "", { finish: m.finish_reason, usage: m.usage, timing: m.timing }));
       this.emit("reset");
     } else {
-      hist.forEach((h, i) => {
-        const m = this.messages[i];
-        if (!m || m.role !== h.role || m.streaming || h.role !== "assistant") return;
+      // walk both lists in order; the stored one may hold more rows (failed or running turns)
+      let j = 0;
+      for (const h of hist) {
+        const m = this.messages[j];
+        if (!m) break;
+        if (m.role !== h.role || (m.content !== (h.content || "") && !m.streaming)) continue;
+        j += 1;
+        if (h.role !== "assistant" || m.streaming) continue;
         let changed = false;
         if (!m.usage && h.usage) (m.usage = h.usage), (changed = true);
         if (!m.timing && h.timing) (m.timing = h.timing), (changed = true);
         if (!m.finish && h.finish_reason) (m.finish = h.finish_reason), (changed = true);
         if (changed) this.emit("message", { msg: m });
-      });
+      }
     }
     this.emit("meta");
   }

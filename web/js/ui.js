@@ -151,13 +151,16 @@ export function renderUsage(usage, timing) {
   }
   box.append(
     stat(fmtInt(prompt), "prompt", "Prompt tokens: the whole conversation the model read for this answer"),
-    stat(
-      fmtInt(cached),
-      "cached",
-      `Cached tokens: ${fmtInt(device)} found in the device KV pool, ${fmtInt(disk)} read back from the disk tier`,
-      "stat-cached"
+    h(
+      "span",
+      {
+        class: "stat stat-cached",
+        title: `Cached tokens: ${fmtInt(device)} found in the device KV pool, ${fmtInt(disk)} read back from the disk tier`,
+      },
+      h("b", {}, fmtInt(cached)),
+      " cached ",
+      h("span", { class: "stat-split" }, `(${fmtInt(device)} device · ${fmtInt(disk)} disk)`)
     ),
-    h("span", { class: "stat-split" }, `${fmtInt(device)} device · ${fmtInt(disk)} disk`),
     stat(fmtInt(recomputed), "computed", "Prompt tokens computed for this answer"),
     stat(fmtInt(u.completion_tokens), "out", "Completion tokens"),
     stat(fmtMs(t.ttft_ms), "TTFT", `Time to first token (queue ${fmtMs(t.queue_ms)}, total ${fmtMs(t.total_ms)})`),
