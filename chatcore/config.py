@@ -35,6 +35,7 @@ class Settings(BaseSettings):
     low_watermark: float = Field(0.15, ge=0, lt=1)
     high_watermark: float = Field(0.30, ge=0, lt=1)
     cache_scope: Literal["global", "tenant"] = "global"
+    eviction_policy: Literal["lru", "cost"] = "cost"
     debug_audit: bool = False
 
     # Scheduler.

@@ -290,3 +290,24 @@ def test_audit_names_offending_blocks_and_tables() -> None:
         report.raise_if_bad()
     leak = report.leak_report()
     assert leak["allocated_blocks"] == 2 and leak["sum_refs"] == 3 and leak["sum_table_lens"] == 2
+
+
+def test_cost_policy_keeps_popular_prefixes_over_recent_lone_tails() -> None:
+    def scenario(policy: str) -> bool:
+        pool = BlockPool(4, 2, eviction=policy)
+        shared = [1, 2]
+        popular = filled_table(pool, shared, "popular")
+        popular.release()
+        for _ in range(3):  # three more sessions find the shared block
+            filled_table(pool, shared + [9], "reader").release()
+        lone = filled_table(pool, [7, 7], "lone")
+        lone.release()  # the most recent cached-free block, but never hit
+        hog = BlockTable(pool, "hog")
+        hog.append_slots(2 * 3)  # free blocks first, then one eviction
+        survived = longest_prefix(pool.find, shared, 2, SALT)[0] != []
+        hog.release()
+        assert_clean(pool)
+        return survived
+
+    assert scenario("cost") is True
+    assert scenario("lru") is False

@@ -23,9 +23,12 @@ tokens_st = st.lists(st.integers(0, 3), min_size=1, max_size=9)  # a tiny alphab
 
 
 class CacheMachine(RuleBasedStateMachine):
+    eviction = "lru"
+
     def __init__(self) -> None:
         super().__init__()
-        self.pool = BlockPool(24, BLOCK_SIZE, low_watermark=0.1, high_watermark=0.2, debug=True)
+        self.pool = BlockPool(24, BLOCK_SIZE, low_watermark=0.1, high_watermark=0.2, debug=True,
+                              eviction=self.eviction)
         self.memory: dict[int, int] = {}
         self.tables: list[tuple[BlockTable, list[int]]] = []
         self.released: list[BlockTable] = []
@@ -157,10 +160,15 @@ class CacheMachine(RuleBasedStateMachine):
         assert report.ok and report.used == 0, report.format()
 
 
-def test_random_interleavings_keep_every_invariant() -> None:
+class CostCacheMachine(CacheMachine):
+    eviction = "cost"
+
+
+@pytest.mark.parametrize("machine", [CacheMachine, CostCacheMachine], ids=["lru", "cost"])
+def test_random_interleavings_keep_every_invariant(machine: type[CacheMachine]) -> None:
     STEPS.update(count=0, copies=0, exhausted=0, evictions=0)
     run_state_machine_as_test(
-        CacheMachine,
+        machine,
         settings=settings(max_examples=100, stateful_step_count=50, deadline=None, derandomize=True),
     )
     assert STEPS["count"] >= MIN_STEPS, STEPS

@@ -11,6 +11,11 @@ Invariants (checked by `chatcore.cache.audit`):
 * When a block's count reaches 0 it joins the MRU end of the LRU if hashed, else the back of
   the free queue. Callers release a table deepest block first, so among blocks freed together
   the longest-prefix ones are evicted first and shared roots survive.
+* Eviction policy `lru` takes the least recently used cached-free block. Policy `cost` looks at
+  the `COST_WINDOW` least recently used ones and takes the one with the fewest prefix hits
+  (ties: the least recent). A lookup walks a chain from its root, so an ancestor has at least
+  as many hits as its descendants: popular prefixes (system prompts) outlive lone tails, and a
+  chain still loses its tail before its root.
 * Block ids never change: the pool grows by appending ids and shrinks only from the top.
 """
 
@@ -30,6 +35,7 @@ if TYPE_CHECKING:
     from chatcore.cache.table import BlockTable
 
 EvictHook = Callable[[int, bytes, tuple[int, ...]], None]
+COST_WINDOW = 16
 
 
 @dataclass(slots=True)
@@ -39,6 +45,7 @@ class Block:
     hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None
     alloc_site: str | None = None
+    hits: int = 0
 
 
 @dataclass(slots=True)
@@ -62,6 +69,7 @@ class BlockPool:
         high_watermark: float = 0.30,
         debug: bool = False,
         on_evict: EvictHook | None = None,
+        eviction: str = "lru",
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
@@ -70,8 +78,11 @@ class BlockPool:
         self.block_size = block_size
         self.low_watermark = low_watermark
         self.high_watermark = high_watermark
+        if eviction not in ("lru", "cost"):
+            raise ValueError(f"unknown eviction policy {eviction!r}")
         self.debug = debug
         self.on_evict = on_evict
+        self.eviction = eviction
         self.blocks: list[Block] = []
         self._free: OrderedDict[int, None] = OrderedDict()
         self._lru: OrderedDict[int, None] = OrderedDict()
@@ -138,6 +149,7 @@ class BlockPool:
                 self._lru[block_id] = None
             else:
                 block.token_ids = None
+                block.hits = 0
                 self._free[block_id] = None
 
     def allocate(self, after: int | None = None) -> int:
@@ -156,10 +168,23 @@ class BlockPool:
         if self._free:
             return self._free.popitem(last=False)[0]
         if self._lru:
-            block_id = self._lru.popitem(last=False)[0]
+            block_id = self._victim()
+            del self._lru[block_id]
             self._evict(block_id)
             return block_id
         raise NoFreeBlocks(f"all {len(self.blocks)} blocks are in use")
+
+    def _victim(self) -> int:
+        if self.eviction == "lru":
+            return next(iter(self._lru))
+        best, best_hits = -1, -1
+        for count, block_id in enumerate(self._lru):
+            hits = self.blocks[block_id].hits
+            if best < 0 or hits < best_hits:
+                best, best_hits = block_id, hits
+            if count + 1 >= COST_WINDOW or best_hits == 0:
+                break
+        return best
 
     def _evict(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -169,6 +194,7 @@ class BlockPool:
         self.index.remove(block.hash, block_id)
         block.hash = None
         block.token_ids = None
+        block.hits = 0
         self.evictions += 1
 
     # ----- prefix sharing ------------------------------------------------------------------
@@ -199,6 +225,7 @@ class BlockPool:
         block = self.blocks[block_id]
         if block.token_ids != tuple(token_ids):
             return None
+        block.hits += 1
         if block_id in self._lru:
             self._lru.move_to_end(block_id)
         return block_id

@@ -45,7 +45,8 @@ class EngineCore:
         self.tokenizer = loaded.tokenizer
         num_blocks = pool_size(settings, loaded)
         self.pool = BlockPool(num_blocks, settings.block_size, low_watermark=settings.low_watermark,
-                              high_watermark=settings.high_watermark, debug=settings.debug_audit)
+                              high_watermark=settings.high_watermark, debug=settings.debug_audit,
+                              eviction=settings.eviction_policy)
         self.kv = KVTensors(loaded.num_layers, num_blocks, settings.block_size, loaded.num_kv_heads,
                             loaded.head_dim, loaded.dtype)
         self.scheduler = Scheduler(self.pool, max_batch_tokens=settings.max_batch_tokens,
