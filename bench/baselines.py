@@ -1,0 +1,152 @@
+"""The transformers baselines: `generate` one request at a time, static batched `generate`
+with left padding, and transformers' own continuous batching (`generate_batch`).
+
+All take token-id prompts, decode greedily with EOS disabled (so every request produces exactly
+`max_new_tokens`), and report times measured from the moment the requests were handed over.
+TTFT is taken by a stopping criterion, which transformers calls right after each new token.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+
+@dataclass
+class BatchRun:
+    """One run of a set of requests that all arrived at t=0."""
+
+    wall_s: float
+    output_tokens: int
+    ttft_s: list[float]  # per request, from t=0 (arrival)
+    own_ttft_s: list[float] | None = None  # per request, from its own start (sequential only)
+    decode_tok_s: float | None = None
+    cached_tokens: int = 0
+    note: str = ""
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+class FirstTokenClock(StoppingCriteria):
+    """Records when the first new token exists; never stops anything."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.calls = 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+        if self.first is None:
+            self.first = time.perf_counter()
+        self.calls += 1
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def greedy_config(model: Any, max_new_tokens: int, pad_token_id: int | None = None) -> GenerationConfig:
+    config = copy.deepcopy(model.generation_config)
+    config.do_sample = False
+    config.temperature = None
+    config.top_p = None
+    config.top_k = None
+    config.max_new_tokens = max_new_tokens
+    config.min_new_tokens = max_new_tokens  # EOS suppressed: a fixed amount of work
+    if pad_token_id is not None:
+        config.pad_token_id = pad_token_id
+    return config
+
+
+@torch.inference_mode()
+def hf_one(model: Any, prompt: list[int], max_new_tokens: int) -> tuple[int, float, float]:
+    """One request through `generate`: (new tokens, TTFT s, total s)."""
+    ids = torch.tensor([prompt])
+    clock = FirstTokenClock()
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=greedy_config(model, max_new_tokens),
+                         stopping_criteria=StoppingCriteriaList([clock]))
+    total = time.perf_counter() - t0
+    assert clock.first is not None
+    return out.shape[1] - len(prompt), clock.first - t0, total
+
+
+def hf_sequential(model: Any, prompts: list[list[int]], max_new_tokens: int) -> BatchRun:
+    """One request at a time, in arrival order: request i waits for requests 0..i-1."""
+    t0 = time.perf_counter()
+    ttft, own, tokens = [], [], 0
+    decode_time = 0.0
+    for prompt in prompts:
+        start = time.perf_counter()
+        new, first, total = hf_one(model, prompt, max_new_tokens)
+        tokens += new
+        own.append(first)
+        ttft.append(start - t0 + first)
+        decode_time += total - first
+    wall = time.perf_counter() - t0
+    decode = (tokens - len(prompts)) / decode_time if decode_time > 0 else None
+    return BatchRun(wall, tokens, ttft, own_ttft_s=own, decode_tok_s=decode)
+
+
+@torch.inference_mode()
+def hf_static(model: Any, prompts: list[list[int]], max_new_tokens: int, pad_token_id: int) -> BatchRun:
+    """All requests in one left-padded batch: nobody gets a token before the whole batch's prefill."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    clock = FirstTokenClock()
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=mask, generation_config=greedy_config(model, max_new_tokens, pad_token_id),
+                         stopping_criteria=StoppingCriteriaList([clock]))
+    wall = time.perf_counter() - t0
+    assert clock.first is not None
+    new = out.shape[1] - width
+    decode = (len(prompts) * (new - 1)) / (wall - (clock.first - t0)) if new > 1 else None
+    return BatchRun(wall, len(prompts) * new, [clock.first - t0] * len(prompts), decode_tok_s=decode)
+
+
+def hf_continuous(model: Any, prompts: list[list[int]], max_new_tokens: int, *, page_size: int = 32,
+                  num_blocks: int = 512, max_batch_tokens: int = 512, sharing: bool = True) -> BatchRun:
+    """transformers' continuous batching (`generate_batch`), with prefix sharing where it supports it."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    config = greedy_config(model, max_new_tokens)
+    config.min_new_tokens = None
+    config.eos_token_id = None  # CB: "eos_token_id not set ... disabled"
+    cb = ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
+                                  allow_block_sharing=sharing)
+    cb_logger = logging.getLogger("ContinuousBatchingLogger")
+    level = cb_logger.level
+    cb_logger.setLevel(logging.ERROR)
+    try:
+        t0 = time.perf_counter()
+        t0_cb = time.perf_counter()  # transformers stamps with perf_counter too
+        out = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb,
+                                   record_timestamps=True, max_new_tokens=max_new_tokens)
+        wall = time.perf_counter() - t0
+    finally:
+        cb_logger.setLevel(level)
+    results = list(out.values())
+    errors = [r.error for r in results if r.error]
+    if errors or len(results) != len(prompts):
+        raise RuntimeError(f"generate_batch failed: {errors[:2]} ({len(results)} of {len(prompts)} results)")
+    tokens = sum(len(r.generated_tokens) for r in results)
+    ttft = [r.timestamps[0] - t0_cb for r in results if r.timestamps]
+    firsts = [r.timestamps[0] for r in results if r.timestamps]
+    lasts = [r.timestamps[-1] for r in results if r.timestamps]
+    decode = None
+    if firsts and max(firsts) < min(lasts):
+        # The window in which every request was decoding: tokens stamped inside it / its length.
+        lo, hi = max(firsts), min(lasts)
+        inside = sum(1 for r in results for t in (r.timestamps or []) if lo < t <= hi)
+        decode = inside / (hi - lo)
+    return BatchRun(wall, tokens, ttft, decode_tok_s=decode,
+                    note=f"page {page_size}, {num_blocks} blocks, max {max_batch_tokens} tokens/batch, "
+                         f"sharing {'on' if sharing else 'off'}")

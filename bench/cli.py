@@ -1,0 +1,131 @@
+"""`chatcore bench [--suite NAME|all] [--quick] [--out DIR]`: run the suites, write JSON, plots, a table.
+
+Each suite measures its own baselines in the same run and reports ratios and targets.
+Output in DIR (default bench/results):
+* results.json: machine facts, then per suite its measurements, targets, and how busy the
+  machine was meanwhile (other processes on a shared machine disturb timings). Suites run
+  now replace their entries; entries of suites not run now are kept if the mode matches.
+* <suite>.png plots, and table.md (the Markdown table that README's Performance section shows).
+
+`CHATCORE_BENCH_TINY=1` shrinks every size to a smoke test (the CI test uses it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from chatcore.config import Settings
+
+SUITES = ["throughput", "multiturn", "hitrate", "memory", "sharing", "resume", "server"]
+MODULES = {"multiturn": "bench.multiturn", "hitrate": "bench.hitrate"}
+
+
+def _log(message: str) -> None:
+    print(message, flush=True)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, float):
+        return None
+    return str(value)
+
+
+def _clean(value: Any) -> Any:
+    """NaN and inf become null, so results.json is strict JSON."""
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def bench_command(args: argparse.Namespace, settings: Settings) -> int:
+    from bench.common import Context, CpuMonitor, busy_processes
+
+    tiny = os.environ.get("CHATCORE_BENCH_TINY", "") not in ("", "0")
+    names = SUITES if args.suite == "all" else [s.strip() for s in args.suite.split(",")]
+    unknown = [n for n in names if n not in SUITES]
+    if unknown:
+        print(f"unknown suite(s): {', '.join(unknown)}; choose from {', '.join(SUITES)} or all", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    threads = settings.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    ctx = Context(settings=settings, quick=bool(args.quick), tiny=tiny, out=out, threads=threads, log=_log)
+    mode = {"quick": ctx.quick, "tiny": tiny, "dtype": ctx.dtype_name, "threads": threads,
+            "block_size": settings.block_size}
+
+    path = out / "results.json"
+    previous: dict[str, Any] = {}
+    if path.exists():
+        try:
+            previous = json.loads(path.read_text())
+        except ValueError:
+            previous = {}
+    suites = previous.get("suites", {}) if previous.get("mode") == mode else {}
+
+    started = time.monotonic()
+    busy = busy_processes()
+    if busy:
+        _log("other busy processes right now (timings may be disturbed): " + "; ".join(busy))
+    failures = 0
+    from bench import plots
+
+    for name in names:
+        _log(f"[{name}] running{' (quick)' if ctx.quick else ''}{' (tiny)' if tiny else ''}")
+        monitor = CpuMonitor()
+        module = importlib.import_module(MODULES.get(name, f"bench.{name}"))
+        try:
+            result = module.run(ctx)
+        except Exception as exc:
+            failures += 1
+            traceback.print_exc()
+            result = {"error": f"{type(exc).__name__}: {exc}", "targets": []}
+        result["cpu"] = monitor.report()
+        result["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        suites[name] = result
+        try:
+            result["plots"] = plots.plot(name, result, out)
+        except Exception:
+            traceback.print_exc()
+            result["plots"] = []
+        cpu = result["cpu"]
+        _log(f"[{name}] done in {cpu['wall_s']:.1f} s; other processes used {cpu['foreign_busy_cores']:.2f} cores "
+             f"meanwhile{' (DISTURBED: re-run this suite)' if cpu['foreign_busy_cores'] > 0.3 else ''}")
+        for t in result.get("targets", []):
+            _log(f"    {'MET   ' if t['met'] else 'MISSED'} {t['name']}: {_fmt(t['value'])} ({t['detail']})")
+        _write(path, ctx, mode, suites, busy)
+
+    from bench.report import markdown_table
+
+    (out / "table.md").write_text(markdown_table(json.loads(path.read_text())))
+    _log(f"wrote {path}, {out / 'table.md'} and plots in {out} ({time.monotonic() - started:.0f} s)")
+    return 1 if failures else 0
+
+
+def _write(path: Path, ctx: Any, mode: dict[str, Any], suites: dict[str, Any], busy: list[str]) -> None:
+    targets = [{"suite": name, **t} for name in SUITES if name in suites for t in suites[name].get("targets", [])]
+    data = {"mode": mode, "machine": ctx.machine(), "busy_at_start": busy, "targets": targets,
+            "suites": {name: suites[name] for name in SUITES if name in suites}}
+    path.write_text(json.dumps(_clean(data), indent=1, default=_json_default))
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)

@@ -1,0 +1,220 @@
+"""What every suite shares: sizes, the loaded models, timing, targets and machine facts."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from chatcore.config import Settings
+
+TINY_ENV = "CHATCORE_BENCH_TINY"
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def target(name: str, value: float, op: str, threshold: float, detail: str = "") -> dict[str, Any]:
+    """A target, met or missed: `value op threshold`, op one of '>=' and '<='."""
+    ok = value >= threshold if op == ">=" else value <= threshold
+    if value != value:  # NaN: not measured
+        ok = False
+    return {"name": name, "value": value, "op": op, "threshold": threshold, "met": bool(ok), "detail": detail}
+
+
+class CpuMonitor:
+    """How busy the machine was, apart from this process tree, while a suite ran.
+
+    Other engineers share this 2-core machine; a suite whose foreign load is high should be re-run.
+    """
+
+    def __init__(self) -> None:
+        self.start_wall = time.monotonic()
+        self.start_total = self._machine_busy()
+        self.start_ours = self._ours()
+
+    @staticmethod
+    def _machine_busy() -> float:
+        with open("/proc/stat") as fh:
+            parts = fh.readline().split()[1:]
+        values = [int(p) for p in parts]
+        idle = values[3] + values[4]
+        return (sum(values[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _ours() -> float:
+        try:
+            import psutil
+        except ImportError:  # pragma: no cover
+            t = os.times()
+            return t.user + t.system + t.children_user + t.children_system
+        me = psutil.Process()
+        total = sum(me.cpu_times()[:2])
+        for child in me.children(recursive=True):
+            try:
+                total += sum(child.cpu_times()[:2])
+            except psutil.Error:
+                pass
+        t = os.times()
+        return total + t.children_user + t.children_system
+
+    def report(self) -> dict[str, float]:
+        wall = time.monotonic() - self.start_wall
+        busy = self._machine_busy() - self.start_total
+        ours = self._ours() - self.start_ours
+        foreign = max(0.0, busy - ours)
+        return {"wall_s": wall, "machine_busy_cores": busy / wall if wall else 0.0,
+                "foreign_busy_cores": foreign / wall if wall else 0.0, "loadavg_1m": os.getloadavg()[0]}
+
+
+def busy_processes(limit: int = 5) -> list[str]:
+    """The busiest other processes right now (a snapshot for the log)."""
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover
+        return []
+    procs = list(psutil.process_iter(["pid", "name", "cmdline"]))
+    for p in procs:
+        try:
+            p.cpu_percent(None)
+        except psutil.Error:
+            pass
+    time.sleep(0.5)
+    me = os.getpid()
+    rows = []
+    for p in procs:
+        try:
+            if p.pid == me:
+                continue
+            pct = p.cpu_percent(None)
+            if pct > 5:
+                cmd = " ".join(p.info["cmdline"] or [p.info["name"] or "?"])[:100]
+                rows.append((pct, f"{pct:.0f}% pid {p.pid}: {cmd}"))
+        except psutil.Error:
+            pass
+    return [r for _, r in sorted(rows, reverse=True)[:limit]]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def cpu_flags() -> list[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    return sorted({f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f" {f}" in text})
+
+
+@dataclass
+class Context:
+    """Sizes and shared state for one `chatcore bench` run."""
+
+    settings: Settings
+    quick: bool
+    tiny: bool
+    out: Path
+    threads: int
+    log: Callable[[str], None] = print
+    _loaded: Any = field(default=None, repr=False)
+    _hf: Any = field(default=None, repr=False)
+
+    @property
+    def repeats(self) -> int:
+        return 1 if (self.quick or self.tiny) else 3
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.loaded.dtype
+
+    @property
+    def dtype_name(self) -> str:
+        from chatcore.models.loader import resolve_dtype
+
+        return str(resolve_dtype(self.settings.dtype)).removeprefix("torch.")
+
+    def engine_settings(self, **overrides: Any) -> Settings:
+        return self.settings.model_copy(update=overrides)
+
+    @property
+    def loaded(self):
+        """The model with chatcore's paged attention, loaded once per run."""
+        if self._loaded is None:
+            from chatcore.models.loader import load_model
+
+            self._loaded = load_model(self.settings)
+        return self._loaded
+
+    @property
+    def hf_model(self):
+        """The same weights and dtype through plain transformers (SDPA attention): the baselines' model."""
+        if self._hf is None:
+            from transformers import AutoModelForCausalLM
+
+            self._hf = AutoModelForCausalLM.from_pretrained(self.loaded.path, dtype=self.loaded.dtype,
+                                                            attn_implementation="sdpa").eval()
+        return self._hf
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    def machine(self) -> dict[str, Any]:
+        import transformers
+
+        return {
+            "cpu": cpu_model(),
+            "cores": os.cpu_count(),
+            "cpu_flags": cpu_flags(),
+            "threads": self.threads,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+            "dtype": self.dtype_name,
+            "block_size": self.settings.block_size,
+            "quick": self.quick,
+            "tiny": self.tiny,
+        }
+
+
+def num_params(model: Any) -> int:
+    """Parameters counted once (tied embeddings once): ~2 x this many FLOPs per token."""
+    seen = set()
+    total = 0
+    for p in model.parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel()
+    return total
+
+
+def gemm_flops(dtype: torch.dtype, m: int, k: int, n: int, reps: int = 20) -> float:
+    """FLOP/s of a torch matmul [m, k] x [k, n] on this CPU (median of reps, after a warm-up)."""
+    a = torch.randn(m, k).to(dtype)
+    b = torch.randn(k, n).to(dtype)
+    inner = max(1, int(2e8 // (2 * m * k * n)))  # ~0.2 GFLOP per sample
+    for _ in range(3):
+        torch.mm(a, b)
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            torch.mm(a, b)
+        samples.append((time.perf_counter() - t0) / inner)
+    return 2 * m * k * n / median(samples)

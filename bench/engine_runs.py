@@ -1,0 +1,63 @@
+"""Driving chatcore's `EngineCore` directly (in-process, no server), timed like the baselines."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from bench.baselines import BatchRun
+from chatcore.engine.core import EngineCore
+from chatcore.engine.request import SamplingParams
+from chatcore.engine.scheduler import StepPlan
+
+
+def chat_prompts(tokenizer: Any, system: str | None, users: list[str]) -> list[list[int]]:
+    out = []
+    for user in users:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        out.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
+    return out
+
+
+def run_batch(core: EngineCore, prompts: list[list[int]], params: SamplingParams,
+              scope_key: str | None = None) -> BatchRun:
+    """Add every prompt at t=0, step until done. A fresh `scope_key` means a cold prefix cache."""
+    scope = scope_key or f"bench-{uuid.uuid4().hex}"
+    plans: list[StepPlan] = []
+    hook = plans.append
+    core.on_step.append(hook)
+    try:
+        requests = [core.make_request(p, params, scope_key=scope) for p in prompts]
+        t0 = time.perf_counter()
+        for req in requests:
+            req.arrival = time.monotonic()
+            core.add(req)
+        finals = {}
+        decode_tokens, decode_time = 0, 0.0
+        while core.has_work:
+            before = len(plans)
+            s0 = time.perf_counter()
+            for out in core.step():
+                if out.finished:
+                    finals[out.request_id] = out
+            dt = time.perf_counter() - s0
+            if len(plans) > before and not plans[-1].prefill and plans[-1].decode:
+                decode_tokens += len(plans[-1].decode)
+                decode_time += dt
+        wall = time.perf_counter() - t0
+    finally:
+        core.on_step.remove(hook)
+    errors = [o.error for o in finals.values() if o.error]
+    if errors or len(finals) != len(prompts):
+        raise RuntimeError(f"chatcore run failed: {errors[:2]} ({len(finals)} of {len(prompts)} finished)")
+    tokens = sum(o.usage.completion_tokens for o in finals.values())
+    ttft = [o.timings.ttft_ms / 1e3 for o in finals.values()]
+    cached = sum(o.usage.cached_tokens for o in finals.values())
+    return BatchRun(wall, tokens, ttft, decode_tok_s=decode_tokens / decode_time if decode_time else None,
+                    cached_tokens=cached)
+
+
+def fresh_core(ctx: Any, **overrides: Any) -> EngineCore:
+    return EngineCore(ctx.loaded, ctx.engine_settings(**overrides))

@@ -1,0 +1,119 @@
+"""Suite 2, multi-turn: TTFT of turns 1..10 of one conversation whose history grows to ~2,000 tokens.
+
+The conversation: a ~100-token system prompt, then per turn a ~120-token user message and a
+64-token greedy answer (EOS ignored; --quick: 160-token messages and 16-token answers, the
+same history growth with less decoding). The history is the canonical token chain: prompt,
+generated ids, then `<|im_end|>\\n`, so each turn's prompt extends the previous one.
+
+Three ways to answer each turn's prompt, all on the same token ids:
+* chatcore: one engine, prefix cache on. The previous turn's full blocks (prompt and answer)
+  are cached-free in the pool, so only the new user message (and the partial last block) is
+  computed. Each repeat uses a fresh cache scope, so repeats do not hit each other's blocks.
+* chatcore, prefix cache off: every request gets its own fresh cache scope (a salt no other
+  request shares), so nothing is ever found and the whole prompt is prefilled; max_tokens=1.
+* transformers `generate` on the full prompt (SDPA, its own dynamic cache), max_new_tokens=1.
+
+TTFT is from the request's arrival to its first token (chatcore's own `timings.ttft_ms`,
+a stopping-criterion clock for transformers).
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from typing import Any
+
+from bench import baselines
+from bench.common import Context, median, target
+from bench.engine_runs import fresh_core, run_batch
+from bench.workload import text_of_tokens
+from chatcore.engine.request import SamplingParams
+
+IM_END, NEWLINE = 2, 198
+
+
+def sizes(ctx: Context) -> dict[str, Any]:
+    if ctx.tiny:
+        return {"turns": 3, "system": 40, "user": 24, "answer": 4, "baseline_turns": [1, 3]}
+    if ctx.quick:
+        return {"turns": 10, "system": 100, "user": 160, "answer": 16, "baseline_turns": [1, 4, 7, 10]}
+    return {"turns": 10, "system": 100, "user": 120, "answer": 64, "baseline_turns": list(range(1, 11))}
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    sz = sizes(ctx)
+    tok = ctx.tokenizer
+    rng = random.Random(7)
+    system = "You are a patient tutor. " + text_of_tokens(tok, rng, sz["system"] - 12)
+    users = [text_of_tokens(tok, rng, sz["user"] - 10, prefix=f"Turn {i + 1}.") for i in range(sz["turns"])]
+    params = SamplingParams(max_tokens=sz["answer"], ignore_eos=True)
+    first = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    core = fresh_core(ctx)
+    run_batch(core, [_ids(tok, f"<|im_start|>user\n{users[0]}<|im_end|>\n")], first)  # warm-up
+    reps = ctx.repeats
+    prompts: list[list[int]] = []
+    on: list[list[float]] = [[] for _ in range(sz["turns"])]
+    cached: list[int] = [0] * sz["turns"]
+    for rep in range(reps):
+        scope = f"multiturn-{rep}-{uuid.uuid4().hex}"
+        history = _ids(tok, f"<|im_start|>system\n{system}<|im_end|>\n")
+        for turn in range(sz["turns"]):
+            prompt = history + _ids(tok, f"<|im_start|>user\n{users[turn]}<|im_end|>\n<|im_start|>assistant\n")
+            if rep == 0:
+                prompts.append(prompt)
+            elif prompt != prompts[turn]:
+                raise RuntimeError("greedy answers differ between repeats: the history is not reproducible")
+            req = core.make_request(prompt, params, scope_key=scope)
+            core.add(req)
+            final = None
+            while core.has_work:
+                for out in core.step():
+                    if out.finished:
+                        final = out
+            assert final is not None and final.error is None, final and final.error
+            on[turn].append(final.timings.ttft_ms)
+            cached[turn] = final.usage.cached_tokens
+            history = prompt + final.outputs[0].token_ids + [IM_END, NEWLINE]
+        ctx.log(f"  chatcore repeat {rep + 1}: turn {sz['turns']} TTFT {on[-1][-1]:.0f} ms "
+                f"({cached[-1]} of {len(prompts[-1])} prompt tokens cached)")
+
+    measured = [t for t in sz["baseline_turns"] if t <= sz["turns"]]
+    off: dict[int, list[float]] = {t: [] for t in measured}
+    hf: dict[int, list[float]] = {t: [] for t in measured}
+    model = ctx.hf_model
+    baselines.hf_one(model, prompts[0], 1)  # warm-up
+    for _ in range(reps):
+        for t in measured:
+            run = run_batch(core, [prompts[t - 1]], first, scope_key=f"off-{uuid.uuid4().hex}")
+            if run.cached_tokens:
+                raise RuntimeError("the prefix-cache-off run found cached tokens")
+            off[t].append(run.ttft_s[0] * 1e3)
+            hf[t].append(baselines.hf_one(model, prompts[t - 1], 1)[1] * 1e3)
+    ctx.log(f"  prefix cache off, turn {measured[-1]}: {median(off[measured[-1]]):.0f} ms; "
+            f"transformers: {median(hf[measured[-1]]):.0f} ms")
+
+    turns = []
+    for i, prompt in enumerate(prompts):
+        t = i + 1
+        turns.append({
+            "turn": t, "prompt_tokens": len(prompt), "cached_tokens": cached[i],
+            "chatcore_ttft_ms": median(on[i]),
+            "chatcore_no_cache_ttft_ms": median(off[t]) if t in off else None,
+            "hf_generate_ttft_ms": median(hf[t]) if t in hf else None,
+        })
+    last = turns[-1]
+    ratio = last["chatcore_ttft_ms"] / last["chatcore_no_cache_ttft_ms"]
+    return {
+        "sizes": sz, "repeats": reps, "turns": turns,
+        "prefix_cache_off": "a fresh cache scope (salt) per request: no block is ever found",
+        "ratio_last_turn_vs_no_cache": ratio,
+        "ratio_last_turn_vs_hf": last["chatcore_ttft_ms"] / last["hf_generate_ttft_ms"],
+        "targets": [target(f"TTFT at turn {last['turn']} <= 0.1x prefix-cache-off", ratio, "<=", 0.1,
+                           f"{last['chatcore_ttft_ms']:.0f} vs {last['chatcore_no_cache_ttft_ms']:.0f} ms at "
+                           f"{last['prompt_tokens']} prompt tokens")],
+    }

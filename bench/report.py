@@ -1,0 +1,111 @@
+"""The Markdown table of a results.json, and README's Performance section made from it.
+
+    python -m bench.report [--results bench/results/results.json] [--readme README.md] [--docs docs/bench]
+
+With --readme, the table replaces what lies between the `<!-- bench:begin -->` and
+`<!-- bench:end -->` markers of README's Performance section, and the plots are copied to
+--docs (committed copies: bench/results/ is git-ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+
+def _num(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if abs(value) >= 100:
+            return f"{value:,.0f}"
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def markdown_table(data: dict[str, Any]) -> str:
+    machine = data.get("machine", {})
+    mode = "tiny" if machine.get("tiny") else "quick" if machine.get("quick") else "full"
+    lines = [
+        f"Measured on {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, {machine.get('threads', '?')} "
+        f"torch threads, torch {machine.get('torch', '?')}, transformers {machine.get('transformers', '?')}, "
+        f"{machine.get('dtype', '?')}, block size {machine.get('block_size', '?')} ({mode} run). Medians of repeats; "
+        "every baseline was measured in the same run.",
+        "",
+        "| suite | target | measured | goal | |",
+        "|---|---|---|---|---|",
+    ]
+    for t in data.get("targets", []):
+        lines.append(f"| {t['suite']} | {t['name']} | {_num(t['value'])} | {t['op']} {_num(t['threshold'])} | "
+                     f"{'met' if t['met'] else '**missed**'} |")
+    suites = data.get("suites", {})
+    thr = suites.get("throughput", {}).get("systems")
+    if thr:
+        lines += ["", "| system (throughput suite) | output tok/s | mean TTFT from arrival (s) | decode tok/s |",
+                  "|---|---|---|---|"]
+        names = {"chatcore": "chatcore (in-process engine)", "hf_sequential": "transformers `generate`, one at a time",
+                 "hf_static": "transformers static batched `generate`",
+                 "hf_generate_batch": "transformers `generate_batch` (CB, sharing)"}
+        for key, label in names.items():
+            s = thr.get(key, {})
+            lines.append(f"| {label} | {_num(s.get('tok_s'))} | {_num(s.get('ttft_mean_s'))} | "
+                         f"{_num(s.get('decode_tok_s'))} |")
+        lim = suites["throughput"].get("limit", {})
+        if lim:
+            lines.append("")
+            lines.append(f"chatcore's batched decode reaches {_num(lim.get('chatcore_decode_fraction', 0) * 100)}% of "
+                         f"this CPU's measured GEMM rate ({_num(lim.get('gemm_flops', 0) / 1e9)} GFLOP/s at "
+                         f"{'x'.join(str(d) for d in lim.get('gemm_shape', []))}).")
+    for name, s in suites.items():
+        if s.get("error"):
+            lines.append(f"\nSuite {name} failed: {s['error']}")
+    return "\n".join(lines) + "\n"
+
+
+def update_readme(readme: Path, table: str, plots: list[str]) -> None:
+    text = readme.read_text()
+    images = "\n".join(f"![{Path(p).stem}]({p})" for p in plots)
+    block = f"{BEGIN}\n{table}\n{images}\n{END}"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        raise SystemExit(f"{readme} has no {BEGIN} ... {END} markers")
+    readme.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", default="bench/results/results.json")
+    parser.add_argument("--readme", default=None)
+    parser.add_argument("--docs", default="docs/bench")
+    args = parser.parse_args()
+    results = Path(args.results)
+    data = json.loads(results.read_text())
+    table = markdown_table(data)
+    print(table)
+    if args.readme:
+        docs = Path(args.docs)
+        docs.mkdir(parents=True, exist_ok=True)
+        copied = []
+        for suite in data.get("suites", {}).values():
+            for plot in suite.get("plots", []):
+                src = results.parent / Path(plot).name
+                if src.exists():
+                    shutil.copy(src, docs / src.name)
+                    copied.append(f"{docs.as_posix()}/{src.name}")
+        shutil.copy(results, docs / "results.json")
+        update_readme(Path(args.readme), table, copied)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Suite 1, throughput: 16 concurrent chat requests, chatcore against three transformers baselines.
+
+Workload: a shared ~300-token system prompt, distinct ~100-token user messages (about 410
+prompt tokens each), 64 greedy tokens each with EOS ignored. Every system gets one untimed
+warm-up run, then `repeats` timed runs (medians reported). chatcore starts each run with a cold
+prefix cache (a fresh cache scope), so any sharing it gets happens inside the batch, as for
+transformers' continuous batching.
+
+Baselines (same model, dtype and threads):
+* `generate` one request at a time (in arrival order; TTFT from arrival includes the wait);
+* static batched `generate`, left-padded (every request's first token comes after the whole
+  batch's prefill);
+* transformers' continuous batching `generate_batch`, page 32, block sharing on.
+
+The physical limit: achieved model FLOP/s while decoding the full batch (2 x params x decode
+tokens/s) as a fraction of a torch GEMM of the decode step's shape (16 x 576 x 1536).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench import baselines
+from bench.common import Context, gemm_flops, median, num_params, target
+from bench.engine_runs import chat_prompts, fresh_core, run_batch
+from bench.workload import chat_workload
+from chatcore.engine.request import SamplingParams
+
+
+def sizes(ctx: Context) -> dict[str, int]:
+    if ctx.tiny:
+        return {"requests": 4, "system": 60, "user": 24, "new_tokens": 4, "sequential_requests": 2}
+    if ctx.quick:
+        return {"requests": 16, "system": 300, "user": 100, "new_tokens": 32, "sequential_requests": 4}
+    return {"requests": 16, "system": 300, "user": 100, "new_tokens": 64, "sequential_requests": 16}
+
+
+def summarize(runs: list[baselines.BatchRun]) -> dict[str, Any]:
+    decode = [r.decode_tok_s for r in runs if r.decode_tok_s]
+    return {
+        "tok_s": median([r.tok_s for r in runs]),
+        "tok_s_runs": [r.tok_s for r in runs],
+        "wall_s": median([r.wall_s for r in runs]),
+        "output_tokens": runs[0].output_tokens,
+        "ttft_mean_s": median([sum(r.ttft_s) / len(r.ttft_s) for r in runs]),
+        "ttft_median_s": median([median(r.ttft_s) for r in runs]),
+        "ttft_max_s": median([max(r.ttft_s) for r in runs]),
+        "own_ttft_mean_s": median([sum(r.own_ttft_s) / len(r.own_ttft_s) for r in runs]) if runs[0].own_ttft_s else None,
+        "decode_tok_s": median(decode) if decode else None,
+        "cached_tokens": runs[0].cached_tokens,
+        "note": runs[0].note,
+    }
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    sz = sizes(ctx)
+    tok = ctx.tokenizer
+    system, users = chat_workload(tok, sz["requests"], sz["system"], sz["user"], seed=1)
+    prompts = chat_prompts(tok, system, users)
+    new = sz["new_tokens"]
+    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    reps = ctx.repeats
+    result: dict[str, Any] = {"sizes": sz, "prompt_tokens": [len(p) for p in prompts], "repeats": reps}
+    warm = prompts[:2]
+
+    ctx.log(f"  chatcore: {len(prompts)} requests x {new} tokens")
+    core = fresh_core(ctx)
+    run_batch(core, warm, SamplingParams(max_tokens=4, ignore_eos=True))
+    systems: dict[str, Any] = {"chatcore": summarize([run_batch(core, prompts, params) for _ in range(reps)])}
+
+    model = ctx.hf_model
+    ctx.log("  transformers generate, one request at a time")
+    seq_prompts = prompts[: sz["sequential_requests"]]
+    baselines.hf_one(model, warm[0], 2)
+    systems["hf_sequential"] = summarize([baselines.hf_sequential(model, seq_prompts, new) for _ in range(reps)])
+    systems["hf_sequential"]["requests"] = len(seq_prompts)
+
+    ctx.log("  transformers static batched generate")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    baselines.hf_static(model, warm, 2, pad)
+    systems["hf_static"] = summarize([baselines.hf_static(model, prompts, new, pad) for _ in range(reps)])
+
+    ctx.log("  transformers continuous batching (generate_batch)")
+    try:
+        baselines.hf_continuous(model, warm, 2)
+        systems["hf_generate_batch"] = summarize([baselines.hf_continuous(model, prompts, new) for _ in range(reps)])
+    except Exception as exc:  # an API change must not sink the whole suite
+        systems["hf_generate_batch"] = {"error": f"{type(exc).__name__}: {exc}", "tok_s": float("nan")}
+    systems["llama_cpp"] = {"skipped": "llama-cpp-python is not installed (optional anchor)"}
+    result["systems"] = systems
+
+    # The physical limit.
+    params_count = num_params(ctx.hf_model)
+    gemm = gemm_flops(ctx.dtype, sz["requests"], 576, 1536, reps=5 if ctx.quick or ctx.tiny else 20)
+    decode = systems["chatcore"]["decode_tok_s"] or float("nan")
+    result["limit"] = {
+        "params": params_count,
+        "gemm_shape": [sz["requests"], 576, 1536],
+        "gemm_flops": gemm,
+        "chatcore_decode_flops": 2 * params_count * decode,
+        "chatcore_decode_fraction": 2 * params_count * decode / gemm,
+        "decode_ceiling_tok_s": gemm / (2 * params_count),
+    }
+    for name in ("hf_static", "hf_generate_batch", "hf_sequential"):
+        d = systems[name].get("decode_tok_s")
+        if d:
+            result["limit"][f"{name}_decode_fraction"] = 2 * params_count * d / gemm
+
+    ours = systems["chatcore"]["tok_s"]
+    result["ratios"] = {f"vs_{k}": ours / systems[k]["tok_s"] for k in ("hf_sequential", "hf_static", "hf_generate_batch")
+                        if systems[k].get("tok_s") == systems[k].get("tok_s")}
+    result["targets"] = [
+        target("throughput >= 6x sequential generate", result["ratios"].get("vs_hf_sequential", float("nan")), ">=", 6.0,
+               f"{ours:.1f} vs {systems['hf_sequential']['tok_s']:.1f} tok/s"),
+        target("throughput >= 1.5x transformers generate_batch", result["ratios"].get("vs_hf_generate_batch", float("nan")),
+               ">=", 1.5, f"{ours:.1f} vs {systems['hf_generate_batch'].get('tok_s', float('nan')):.1f} tok/s"),
+    ]
+    return result
