@@ -57,6 +57,10 @@ class Settings(BaseSettings):
     warm_idle_s: float = Field(600.0, ge=0)
     disconnect_grace_s: float = Field(30.0, ge=0)
 
+    # Replicas (docs/deploy.md): who owns a session, and for how long without renewal.
+    replica_id: str | None = Field(None, max_length=200, description="default: hostname and a hash of data_dir")
+    lease_s: float = Field(15.0, gt=0, description="a session lease lapses this long after its last renewal")
+
     # Limits.
     max_frame_bytes: int = Field(65536, ge=256)
     max_message_tokens: int = Field(4096, ge=1)
