@@ -144,6 +144,17 @@ async def assert_matches_server(page, sid: str) -> None:
     assert shown == await rendered_text(page, stored)
 
 
+async def assert_controls_named(page) -> None:
+    """Every visible control has an accessible name (aria-label, a <label>, or its text)."""
+    unnamed = await page.evaluate(
+        """() => [...document.querySelectorAll('button, textarea, input, select')]
+            .filter((e) => e.getClientRects().length > 0)
+            .filter((e) => !(e.getAttribute('aria-label') || e.labels?.length || e.textContent.trim()))
+            .map((e) => e.outerHTML.slice(0, 80))"""
+    )
+    assert unnamed == [], unnamed
+
+
 async def shot(page, name: str) -> None:
     """A screenshot under artifacts/, with transitions and animations finished first."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -213,7 +224,7 @@ async def test_stop_cancels_mid_answer(page):
 
 
 async def test_reload_mid_answer_resumes_without_duplicates(page):
-    await open_app(page, max_tokens=48)
+    await open_app(page, max_tokens=64)
     await send(page, LONG_PROMPT)
     await wait_text(page)
     bubble = assistant(page)
@@ -245,7 +256,7 @@ async def test_network_drop_mid_answer_reconnects_and_continues(page):
         sockets.append((ws, server))
 
     await page.route_web_socket(re.compile(r".*/v1/ws.*"), route)
-    await open_app(page, max_tokens=48)
+    await open_app(page, max_tokens=64)
     await send(page, LONG_PROMPT)
     await wait_text(page)
     assert await assistant(page).get_attribute("data-finish") is None, "the answer finished before the drop"
@@ -291,7 +302,7 @@ async def test_sessions_sharing_a_system_prompt_hit_the_cache(page):
     await expect(usage).to_contain_text("cached")
 
     # the cache panel shows the shared blocks: ref > 1, held by both sessions
-    await page.get_by_role("button", name="Cache").click()
+    await page.get_by_role("button", name="Cache", exact=True).click()
     panel = page.locator("#cache-panel")
     await expect(panel).to_be_visible()
     both = panel.locator(f'.block-grid .cell.shared[data-sessions~="{first}"][data-sessions~="{second}"]')
@@ -399,6 +410,7 @@ async def test_layout_at_phone_and_desktop_widths(page):
         box = await page.get_by_test_id(testid).bounding_box()
         assert box and box["x"] >= 0 and box["x"] + box["width"] <= 375, (testid, box)
     await shot(page, "ui-375-chat.png")
+    await assert_controls_named(page)
 
     await menu.click()
     await expect(new_session).to_be_visible()
@@ -408,6 +420,20 @@ async def test_layout_at_phone_and_desktop_widths(page):
     await page.keyboard.press("Escape")
     await expect(new_session).to_be_hidden()
     await expect(menu).to_be_focused()
+
+    cache = page.get_by_role("button", name="Cache", exact=True)
+    await cache.click()
+    await expect(cache).to_have_attribute("aria-pressed", "true")
+    await expect(page.locator("#cache-panel .chain-row").first).to_be_visible(timeout=10_000)
+    await shot(page, "ui-375-cache-panel.png")
+    await page.keyboard.press("Escape")
+    await expect(page.locator("#cache-panel")).to_be_hidden()
+
+    await page.locator("#open-settings").click()
+    await expect(page.get_by_role("dialog", name="Settings")).to_be_visible()
+    await shot(page, "ui-375-settings.png")
+    await page.keyboard.press("Escape")
+    await expect(page.get_by_role("dialog", name="Settings")).to_be_hidden()
 
     await page.set_viewport_size({"width": 1440, "height": 900})
     await expect(new_session).to_be_visible()
@@ -420,11 +446,4 @@ async def test_layout_at_phone_and_desktop_widths(page):
     await page.set_viewport_size({"width": 1440, "height": 900})
     await page.emulate_media(color_scheme="light")
 
-    # every control has an accessible name
-    unnamed = await page.evaluate(
-        """() => [...document.querySelectorAll('button, textarea, input, select')]
-            .filter((e) => e.offsetParent !== null)
-            .filter((e) => !(e.getAttribute('aria-label') || e.labels?.length || e.textContent.trim()))
-            .map((e) => e.outerHTML.slice(0, 80))"""
-    )
-    assert unnamed == []
+    await assert_controls_named(page)
