@@ -46,6 +46,12 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
     return serve_command(settings)
 
 
+def _cluster(args: argparse.Namespace, settings: Settings) -> int:
+    from chatcore.cluster import cluster_command
+
+    return cluster_command(args, settings)
+
+
 def _bench(args: argparse.Namespace, settings: Settings) -> int:
     from bench.cli import bench_command
 
@@ -105,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--database-url", dest="database_url", default=None)
     _add_engine_flags(serve)
     serve.set_defaults(handler=_serve)
+
+    cluster = sub.add_parser("cluster", help="run replicas behind nginx on loopback (docs/deploy.md)")
+    cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True)
+    up = cluster_sub.add_parser("up", help="start PostgreSQL (with --postgres), N replicas and nginx")
+    up.add_argument("--replicas", type=int, default=2)
+    up.add_argument("--postgres", action="store_true", help="start a PostgreSQL cluster under the data dir")
+    up.add_argument("--port", type=int, default=None, help="nginx's port; replicas use the next N ports")
+    up.set_defaults(handler=_cluster)
+    cluster_sub.add_parser("down", help="stop what `cluster up` started").set_defaults(handler=_cluster)
 
     bench = sub.add_parser("bench", help="run the benchmarks against their baselines")
     bench.add_argument("--suite", default="all")

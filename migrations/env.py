@@ -15,6 +15,7 @@ from logging.config import fileConfig
 from typing import Any
 
 from alembic import context
+from sqlalchemy import text
 from sqlalchemy.engine import Connection, make_url
 
 from chatcore.store.db import create_engine
@@ -59,9 +60,16 @@ def _run_offline() -> None:
         context.run_migrations()
 
 
+# Replicas that start together on one PostgreSQL database upgrade it one at a time: each waits
+# for this transaction-scoped lock, then finds the schema at head. (SQLite serializes writers.)
+MIGRATION_LOCK_ID = 0x63686174  # "chat"
+
+
 def _run_sync(connection: Connection) -> None:
     context.configure(connection=connection, **_options(connection.dialect.name))
     with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            connection.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": MIGRATION_LOCK_ID})
         context.run_migrations()
 
 

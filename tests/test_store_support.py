@@ -1,8 +1,9 @@
 """Fixtures shared by the store tests (imported by them; this module holds no tests).
 
 `database_url` is parametrized over backends: each test gets a fresh, empty
-database per backend. SQLite files live in `tmp_path`; a PostgreSQL backend can be
-added to `BACKENDS` with a branch in `database_url` that creates a scratch database.
+database per backend. SQLite files live in `tmp_path`; PostgreSQL databases are
+created in one throw-away cluster per test process (`tests/pg_helpers.py`), when
+PostgreSQL's binaries are installed (`make services`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from chatcore.store.db import create_engine, create_sessionmaker, migrate
 from chatcore.store.repos import Repos
+from tests.pg_helpers import fresh_database_url, postgres_available
 
-BACKENDS = ["sqlite"]
+BACKENDS = ["sqlite"] + (["postgresql"] if postgres_available() else [])
 
 
 def sqlite_url(directory: Path) -> str:
@@ -28,6 +30,8 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """The URL of a fresh, empty database."""
     if request.param == "sqlite":
         return sqlite_url(tmp_path)
+    if request.param == "postgresql":
+        return fresh_database_url(request.config)
     raise NotImplementedError(request.param)
 
 
