@@ -23,6 +23,7 @@ from chatcore.engine.scheduler import RequestRejected
 from chatcore.server.errors import ApiError
 from chatcore.server.params import sampling_params
 from chatcore.server.services import Services
+from chatcore.server.ws import arm_grace
 
 OPENAI_PARAMS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed", "stop", "user",
                  "stream", "stream_options", "messages", "model", "frequency_penalty", "presence_penalty",
@@ -137,6 +138,8 @@ async def _session_events(services: Services, tenant_id: str, session_id: str, m
                 return
     finally:
         frames.unsubscribe(queue)
+        if not frames.finished.is_set() and frames.attached == 0:
+            arm_grace(services, state)  # the HTTP client left mid-answer, like a dropped socket
 
 
 @post("/v1/chat/completions", status_code=200)

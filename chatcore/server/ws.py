@@ -41,6 +41,27 @@ def origin_allowed(socket: WebSocket, allowed: list[str]) -> bool:
     return netloc == host or origin in allowed or "*" in allowed
 
 
+def arm_grace(services: Services, state: SessionState) -> None:
+    """Nobody follows the running turn any more: cancel it as `disconnected` unless a client
+    re-attaches (which cancels the timer) within the grace period. The timer is bound to this
+    turn: if the turn ends on its own and another starts, the late timer leaves that one alone."""
+    frames = state.current
+    if frames is None or not state.turn_running:
+        return
+    if state.grace_timer is not None:
+        state.grace_timer.cancel()
+    runner = services.turns
+
+    def expire() -> None:
+        state.grace_timer = None
+        if state.current is frames and state.turn_running:
+            task = asyncio.ensure_future(runner.cancel(state, "disconnected"))
+            runner.background.add(task)
+            task.add_done_callback(runner.background.discard)
+
+    state.grace_timer = asyncio.get_running_loop().call_later(services.settings.disconnect_grace_s, expire)
+
+
 class Connection:
     def __init__(self, socket: WebSocket, services: Services, principal: Principal) -> None:
         self.socket = socket
@@ -101,12 +122,7 @@ class Connection:
         if state is None or self.attachments().get(state.id) is not self:
             return
         del self.attachments()[state.id]
-        if state.turn_running:
-            grace = self.services.settings.disconnect_grace_s
-            runner = self.services.turns
-            loop = asyncio.get_running_loop()
-            state.grace_timer = loop.call_later(
-                grace, lambda: asyncio.ensure_future(runner.cancel(state, "disconnected")))
+        arm_grace(self.services, state)
 
     def stop_pump(self) -> None:
         if self.pump is not None:

@@ -1,0 +1,158 @@
+"""Reconnect grace expiry: a turn whose socket went away and never came back ends `disconnected`, keeps
+its partial answer, and releases its blocks. Real server process, real `websockets` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.server_helpers import recv_until, start_server
+
+pytestmark = pytest.mark.model
+GRACE_S = 1.0
+MAX_TOKENS = 300
+DEADLINE_S = 60
+STORY = "Write a long story about a brave knight and a dragon."  # runs past 100 tokens at temperature 0
+
+
+@pytest.fixture(scope="module")
+def grace(tmp_path_factory):
+    """A one-second grace period, and no hot window: a finished turn's pin expires at once."""
+    server = start_server(tmp_path_factory.mktemp("grace-server"), disconnect_grace_s=GRACE_S, hot_window_s=0)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(autouse=True)
+def audit_after(grace):
+    yield
+    status, body = grace.get("/v1/admin/cache")
+    assert status == 200 and body["audit"]["ok"], body["audit"]
+
+
+async def hello(ws, **fields) -> dict:
+    await ws.send(json.dumps({"type": "hello", "session_id": None, "resume_token": None, "last_seq": None,
+                              "system_prompt": None, **fields}))
+    frame = json.loads(await ws.recv())
+    assert frame["type"] == "session", frame
+    return frame
+
+
+async def poll(check, what: str):
+    """Poll `check()` until it returns something truthy, or fail after the deadline."""
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        result = check()
+        if result:
+            return result
+        await asyncio.sleep(0.05)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+@pytest.mark.parametrize("how", ["close", "abort"])
+async def test_dropped_turn_ends_disconnected_and_releases_its_blocks(grace, how: str) -> None:
+    async with grace.connect() as ws:
+        session = await hello(ws)
+        sid = session["session_id"]
+        await ws.send(json.dumps({"type": "user", "id": "long", "content": "Count from 1 to 1000, one per line.",
+                                  "params": {"temperature": 0, "max_tokens": MAX_TOKENS}}))
+        seen: list[dict] = []
+        while sum(f["type"] == "token" for f in seen) < 3:
+            seen.append(json.loads(await ws.recv()))
+        if how == "abort":
+            ws.transport.abort()  # no close frame: the TCP connection just goes away
+        dropped_at = time.monotonic()
+    partial = "".join(f["text"] for f in seen if f["type"] == "token")
+
+    def finished() -> dict | None:
+        status, detail = grace.get(f"/v1/sessions/{sid}")
+        assert status == 200
+        last = detail["history"][-1]
+        return last if last["role"] == "assistant" and last["finish_reason"] is not None else None
+
+    answer = await poll(finished, "the dropped turn to end")
+    assert time.monotonic() - dropped_at >= GRACE_S  # it ran on through the grace period
+    assert answer["finish_reason"] == "disconnected"
+    assert 3 <= answer["usage"]["completion_tokens"] < MAX_TOKENS
+    assert answer["content"].startswith(partial) and len(answer["content"]) > len(partial)
+
+    def released() -> dict | None:
+        status, cache = grace.get("/v1/admin/cache")
+        assert status == 200 and cache["audit"]["ok"], cache["audit"]
+        return cache if cache["audit"]["used"] == 0 else None
+
+    cache = await poll(released, "used blocks to go back to 0")
+    assert not [b for b in cache["blocks"] if b["state"] == "used"]
+    assert sid not in [s["id"] for s in cache["sessions"]]
+    assert cache["audit"]["sum_refs"] == cache["audit"]["sum_table_lens"] == 0
+    # Coming back later: the rest of the turn is replayed up to its `disconnected` end, without gaps.
+    last_seq = max(f["seq"] for f in seen if "seq" in f)
+    async with grace.connect() as ws:
+        resumed = await hello(ws, session_id=sid, resume_token=session["resume_token"], last_seq=last_seq)
+        assert [m["role"] for m in resumed["history"]] == ["user", "assistant"]
+        assert resumed["history"][1]["content"] == answer["content"]
+        rest = await recv_until(ws, "done")
+    assert rest[-1]["finish_reason"] == "disconnected"
+    assert [f["seq"] for f in rest] == list(range(last_seq + 1, last_seq + 1 + len(rest)))
+    assert partial + "".join(f["text"] for f in rest if f["type"] == "token") == answer["content"]
+    assert grace.request("DELETE", f"/v1/sessions/{sid}")[0] == 204
+
+
+def assistant_turns(server, sid: str) -> list[dict]:
+    status, detail = server.get(f"/v1/sessions/{sid}")
+    assert status == 200
+    return [m for m in detail["history"] if m["role"] == "assistant"]
+
+
+async def test_an_expired_grace_timer_does_not_cancel_a_later_turn(grace) -> None:
+    """The socket drops with one token to go; the turn ends on its own; a new turn (over HTTP, in the
+    same session) is still running when the first socket's grace period runs out: it must not be
+    cancelled as `disconnected`."""
+    async with grace.connect() as ws:
+        session = await hello(ws)
+        sid = session["session_id"]
+        await ws.send(json.dumps({"type": "user", "id": "short", "content": "Say hello.",
+                                  "params": {"temperature": 0, "max_tokens": 2}}))
+        await recv_until(ws, "token")
+    dropped_at = time.monotonic()
+    first = await poll(lambda: [t for t in assistant_turns(grace, sid) if t["finish_reason"]], "the short turn")
+    assert first[0]["finish_reason"] in ("stop", "length")
+    assert time.monotonic() - dropped_at < GRACE_S, "precondition: the short turn ended within the grace period"
+    body = {"messages": [{"role": "user", "content": STORY}], "max_tokens": 60, "temperature": 0}
+    resp = await asyncio.to_thread(httpx.post, grace.base_url + "/v1/chat/completions", json=body,
+                                   headers={"X-Session-Id": sid}, timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert time.monotonic() - dropped_at > GRACE_S, "precondition: the second turn outlived the grace period"
+    second = assistant_turns(grace, sid)[-1]
+    assert second["finish_reason"] in ("stop", "length"), second
+    assert resp.json()["usage"]["completion_tokens"] == second["usage"]["completion_tokens"] > 0
+    assert grace.request("DELETE", f"/v1/sessions/{sid}")[0] == 204
+
+
+async def test_an_http_session_stream_closed_early_is_cancelled_after_grace(grace) -> None:
+    status, session = grace.request("POST", "/v1/sessions", {"title": "http stream"})
+    assert status == 201
+    sid = session["id"]
+    body = {"messages": [{"role": "user", "content": STORY}], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "stream": True}
+
+    def read_a_little() -> None:
+        with httpx.stream("POST", grace.base_url + "/v1/chat/completions", json=body,
+                          headers={"X-Session-Id": sid}, timeout=120) as resp:
+            assert resp.status_code == 200
+            for i, _ in enumerate(resp.iter_lines()):
+                if i >= 6:
+                    return  # closing the response drops the connection mid-answer
+
+    await asyncio.to_thread(read_a_little)
+    answer = await poll(lambda: [t for t in assistant_turns(grace, sid) if t["finish_reason"]], "the turn to end")
+    assert answer[0]["finish_reason"] == "disconnected", answer
+    assert answer[0]["usage"]["completion_tokens"] < MAX_TOKENS
+    cache = await poll(lambda: (c := grace.get("/v1/admin/cache")[1])["audit"]["used"] == 0 and c,
+                       "used blocks to go back to 0")
+    assert cache["audit"]["ok"], cache["audit"]
+    assert grace.request("DELETE", f"/v1/sessions/{sid}")[0] == 204
