@@ -447,3 +447,92 @@ async def test_layout_at_phone_and_desktop_widths(page):
     await page.emulate_media(color_scheme="light")
 
     await assert_controls_named(page)
+
+
+async def test_stale_resume_token_is_renewed(page, live_server):
+    status, created = live_server.request("POST", "/v1/sessions", {"title": "stale token"})
+    assert status == 201, created
+    sid = created["id"]
+    await page.goto("/")
+    await page.evaluate(
+        """(sid) => {
+            localStorage.setItem('chatcore.current', JSON.stringify(sid));
+            localStorage.setItem('chatcore.session.' + sid, JSON.stringify({token: 'not-the-token', lastSeq: null}));
+        }""",
+        sid,
+    )
+    await page.reload()
+    # hello fails with `unauthorized`; the page asks POST /v1/sessions/{id}/token and retries
+    await expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "open", timeout=GEN_TIMEOUT_MS)
+    await expect(page.locator("#chat-title")).to_have_text("stale token")
+    token = await page.evaluate("(sid) => JSON.parse(localStorage.getItem('chatcore.session.' + sid)).token", sid)
+    assert token and token != "not-the-token"
+
+
+async def test_a_second_tab_takes_the_session_and_the_first_can_take_it_back(context, live_server):
+    status, created = live_server.request("POST", "/v1/sessions", {"title": "two tabs"})
+    assert status == 201, created
+    sid = created["id"]
+    first = await context.new_page()
+    await first.goto("/")
+    await first.locator(f'[data-testid="session-item"][data-session-id="{sid}"] .session-open').click()
+    await expect(first.get_by_test_id("connection")).to_have_attribute("data-state", "open", timeout=GEN_TIMEOUT_MS)
+
+    second = await context.new_page()  # same localStorage: it opens the same chat
+    await second.goto("/")
+    await expect(second.get_by_test_id("connection")).to_have_attribute("data-state", "open", timeout=GEN_TIMEOUT_MS)
+    await expect(first.get_by_test_id("connection")).to_have_attribute("data-state", "closed")
+    banner = first.get_by_role("alert")
+    await expect(banner).to_contain_text("another tab")
+
+    await banner.get_by_role("button", name="Use it here").click()
+    await expect(first.get_by_test_id("connection")).to_have_attribute("data-state", "open")
+    await expect(second.get_by_test_id("connection")).to_have_attribute("data-state", "closed")
+    await expect(second.get_by_role("alert")).to_contain_text("another tab")
+
+
+@pytest.fixture
+def keyed_server(tmp_path):
+    """A second server in keyed mode: an admin key for tenant acme, a plain key for tenant bob."""
+    from tests.server_helpers import create_key, start_server
+
+    server = start_server(tmp_path / "keyed")
+    try:
+        server.keys["admin"] = create_key(server, "acme", admin=True)
+        server.keys["bob"] = create_key(server, "bob")
+        yield server
+    finally:
+        server.stop()
+
+
+async def test_keyed_mode_asks_for_a_key_and_uses_it(browser, keyed_server):
+    ctx = await browser.new_context(viewport={"width": 1440, "height": 900}, base_url=keyed_server.base_url)
+    try:
+        page = await ctx.new_page()
+        bob = keyed_server.keys["bob"]
+        status, created = keyed_server.request("POST", "/v1/sessions", {"title": "bob's chat"}, key=bob)
+        assert status == 201, created
+
+        await page.goto("/")
+        dialog = page.get_by_role("dialog", name="Settings")
+        await expect(dialog).to_be_visible()  # GET /v1/sessions answered 401
+        await expect(dialog.get_by_role("alert")).to_contain_text("API key")
+        await dialog.get_by_label("API key").fill(bob)
+        await dialog.get_by_role("button", name="Done").click()
+
+        item = page.locator(f'[data-testid="session-item"][data-session-id="{created["id"]}"]')
+        await item.locator(".session-open").click()  # no resume token here: POST .../token, then ?api_key= on the socket
+        await expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "open", timeout=GEN_TIMEOUT_MS)
+        assert await page.evaluate("() => JSON.parse(localStorage.getItem('chatcore.settings')).apiKey") == bob
+
+        await page.get_by_role("button", name="Cache", exact=True).click()
+        await expect(page.locator("#cache-panel .cache-status")).to_contain_text("admin API key")
+
+        await page.locator("#open-settings").click()
+        await dialog.get_by_label("API key").fill(keyed_server.keys["admin"])
+        await dialog.get_by_role("button", name="Done").click()
+        await expect(page.locator("#cache-panel .audit")).to_contain_text("Audit OK")
+        await expect(page.locator("#cache-panel .cache-status")).to_be_hidden()
+        await expect(item).to_have_count(0)  # bob's chat is not acme's
+    finally:
+        await ctx.close()

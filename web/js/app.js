@@ -66,7 +66,7 @@ const el = {
   temperatureOut: $("temperature-out"),
   maxTokens: $("max-tokens"),
   apiKey: $("api-key"),
-  apiKeyHelp: $("api-key-help"),
+  apiKeyAlert: $("api-key-alert"),
   toasts: $("toasts"),
 };
 
@@ -169,7 +169,7 @@ function makeController(opts) {
   });
   s.addEventListener("notice", (e) => mine() && toast(e.detail.text, e.detail.kind));
   s.addEventListener("gone", () => {
-    toast("That chat no longer exists on the server.", "error");
+    toast("That chat is not on the server (deleted, or not visible with this API key).", "error");
     forget(s.id);
     if (mine()) newChat();
   });
@@ -456,7 +456,7 @@ function refreshSessions() {
   refreshTimer = setTimeout(loadSessions, 250);
 }
 
-async function loadSessions() {
+async function loadSessions({ quiet = false } = {}) {
   try {
     const list = await api.listSessions();
     serverSessions = Array.isArray(list) ? list : list.sessions || [];
@@ -465,8 +465,8 @@ async function loadSessions() {
       if (!ids.has(id) && !(current && current.id === id && current.running)) store.forgetSession(id);
     }
     if (current && current.id && !ids.has(current.id) && current.loaded && !current.running) {
-      // deleted elsewhere
-      toast("This chat was deleted.", "info");
+      // deleted elsewhere (or not visible with a new API key)
+      if (!quiet) toast("This chat was deleted.", "info");
       newChat();
     }
     renderSessionList();
@@ -658,8 +658,8 @@ function openSettings(message) {
   el.temperatureOut.textContent = Number(settings.temperature).toFixed(2);
   el.maxTokens.value = settings.maxTokens;
   el.apiKey.value = settings.apiKey || "";
-  el.apiKeyHelp.classList.toggle("help-alert", !!message);
-  if (message) el.apiKeyHelp.textContent = message;
+  el.apiKeyAlert.hidden = !message;
+  el.apiKeyAlert.textContent = message || "";
   if (!el.settings.open) el.settings.showModal();
   if (message) el.apiKey.focus();
 }
@@ -681,11 +681,11 @@ el.settings.addEventListener("close", () => {
   const key = el.apiKey.value.trim();
   if (key !== (settings.apiKey || "")) {
     settings = store.saveSettings({ apiKey: key });
-    loadSessions();
+    loadSessions({ quiet: true });
     if (current && current.socket) current.restart();
     cachePanel.refresh();
   }
-  el.apiKeyHelp.classList.remove("help-alert");
+  el.apiKeyAlert.hidden = true;
 });
 $("open-settings").addEventListener("click", () => openSettings());
 $("open-settings-side").addEventListener("click", () => {

@@ -385,7 +385,8 @@ export class ChatSession extends EventTarget {
       this.emit("conflict");
       return;
     }
-    if (code === "not_found" && !this.loaded) {
+    if (code === "not_found" && !(this.socket && this.socket.attached)) {
+      // the hello failed: the session is gone, or belongs to another tenant
       this.emit("gone");
       return;
     }
