@@ -115,9 +115,9 @@ def test_every_protected_route_needs_a_valid_key(keyed) -> None:
               ("GET", "/v1/sessions", None), ("POST", "/v1/sessions", {"title": "intruder"}),
               ("GET", f"/v1/sessions/{sid}", None), ("PATCH", f"/v1/sessions/{sid}", {"title": "hijacked"}),
               ("POST", f"/v1/sessions/{sid}/token", None), ("DELETE", f"/v1/sessions/{sid}", None),
-              ("GET", "/v1/admin/cache", None)]
-    wrong = [{}, bearer("cc-not-a-real-key"), {"Authorization": "Bearer"}, {"Authorization": f"Basic {keyed.keys['alpha']}"},
-             {"Authorization": keyed.keys["alpha"]}]
+              ("GET", "/v1/admin/cache", None), ("GET", "/schema/openapi.json", None)]
+    wrong = [{}, bearer("cc-not-a-real-key"), {"Authorization": "Bearer"},
+             {"Authorization": f"Basic {keyed.keys['alpha']}"}, {"Authorization": keyed.keys["alpha"]}]
     for method, path, body in routes:
         for headers in wrong:
             assert_error(call(keyed, method, path, body, headers), 401, "unauthorized")
@@ -132,6 +132,8 @@ def test_every_protected_route_needs_a_valid_key(keyed) -> None:
     assert resp.status_code == 200 and resp.json()["id"] == sid
     for path in ("/healthz", "/metrics", "/"):
         assert call(keyed, "GET", path).status_code == 200, path
+    schema = call(keyed, "GET", "/schema/openapi.json", headers=bearer(keyed.keys["beta"]))
+    assert schema.status_code == 200 and "/v1/chat/completions" in schema.json()["paths"]
     assert call(keyed, "DELETE", f"/v1/sessions/{sid}", headers=bearer(keyed.keys["alpha"])).status_code == 204
 
 

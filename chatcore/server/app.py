@@ -7,8 +7,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from litestar import Litestar, MediaType, Response, get
+from litestar import Litestar, MediaType, Response, Router, get
+from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException
+from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.static_files import create_static_files_router
 
@@ -37,6 +39,11 @@ async def index() -> Response[bytes]:
     if not page.is_file():
         return Response(b"<h1>chatcore</h1><p>The web UI is not installed.</p>", media_type=MediaType.HTML)
     return Response(page.read_bytes(), media_type=MediaType.HTML, headers={"Cache-Control": "no-cache"})
+
+
+async def _require_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    """A guard: the caller's key, as on every route docs/protocol.md does not list as open."""
+    await connection.app.state.auth.principal(connection)
 
 
 def create_app(settings: Settings, loaded: LoadedModel | None = None) -> Litestar:
@@ -76,7 +83,8 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> Litesta
             HTTPException: http_error_handler,
             Exception: internal_error_handler,
         },
-        openapi_config=OpenAPIConfig(title="chatcore", version="0.1.0"),
+        openapi_config=OpenAPIConfig(title="chatcore", version="0.1.0",
+                                     openapi_router=Router("/schema", route_handlers=[], guards=[_require_key])),
         request_max_body_size=settings.max_frame_bytes * 16,
         debug=False,
     )
