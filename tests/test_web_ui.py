@@ -206,6 +206,8 @@ async def test_stop_cancels_mid_answer(page):
     await open_app(page, max_tokens=256)
     await send(page, LONG_PROMPT)
     await wait_text(page)
+    await expect(assistant(page).locator(".caret")).to_have_count(1)  # the streaming caret
+    await shot(page, "ui-1440-streaming.png")
     stop = page.get_by_test_id("stop")
     await expect(stop).to_be_enabled()
     await stop.click()
@@ -372,8 +374,16 @@ async def test_rename_and_delete_a_session(page, live_server):
     item = page.locator(f'[data-testid="session-item"][data-session-id="{sid}"]')
     await expect(item).to_be_visible()
 
-    await item.get_by_role("button", name="Rename “to rename”").click()
+    rename = item.get_by_role("button", name="Rename “to rename”")
+    await rename.click()
     title = item.get_by_role("textbox", name="Chat title")
+    await expect(title).to_be_focused()
+    await title.fill("not this")
+    await title.press("Escape")  # cancels, focus back on the row
+    await expect(item.locator(".session-title")).to_have_text("to rename")
+    await expect(item.locator(".session-open")).to_be_focused()
+
+    await rename.click()
     await expect(title).to_be_focused()
     await title.fill("renamed by the browser")
     await title.press("Enter")

@@ -5,7 +5,8 @@ import { CachePanel } from "./cache-panel.js";
 import { Api, ApiError } from "./protocol.js";
 import { ChatSession } from "./session.js";
 import { store } from "./store.js";
-import { h, hydrateIcons, icon, relativeTime, renderMessage, updateAssistantMessage } from "./ui.js";
+import { renderSessionItem } from "./sidebar.js";
+import { h, hydrateIcons, icon, renderMessage, updateAssistantMessage } from "./ui.js";
 
 const PRESETS = [
   {
@@ -486,93 +487,47 @@ function renderSessionList() {
   el.sessionEmpty.hidden = items.length > 0;
 }
 
+function focusRow(id) {
+  el.sessionList.querySelector(`[data-session-id="${CSS.escape(id)}"] .session-open`)?.focus();
+}
+
 function sessionItem(s) {
-  const active = !!(current && current.id === s.id);
-  const running = !!controllers.get(s.id)?.running;
-  const title = s.title || "Untitled chat";
-  const li = h("li", {
-    class: `session-item${active ? " is-active" : ""}${running ? " is-running" : ""}`,
-    "data-testid": "session-item",
-    dataset: { sessionId: s.id },
-  });
-  if (editing && editing.id === s.id && editing.mode === "rename") {
-    const input = h("input", { type: "text", class: "rename-input", value: s.title || "", "aria-label": "Chat title", maxlength: "255" });
-    const save = async () => {
-      const value = input.value.trim();
-      editing = null;
-      if (value && value !== s.title) {
-        try {
-          await api.renameSession(s.id, value);
-          s.title = value;
-          const c = controllers.get(s.id);
-          if (c) c.title = value;
-          store.saveSession(s.id, { title: value });
-          if (current && current.id === s.id) {
-            current.title = value;
-            updateHeader();
-          }
-        } catch (err) {
-          toast(`Rename failed: ${err.message}`, "error");
-        }
-      }
-      renderSessionList();
-      el.sessionList.querySelector(`[data-session-id="${CSS.escape(s.id)}"] .session-open`)?.focus();
-    };
-    input.addEventListener("keydown", (e) => {
-      if (e.key === "Enter") {
-        e.preventDefault();
-        save();
-      } else if (e.key === "Escape") {
-        e.preventDefault();
-        editing = null;
-        renderSessionList();
-        el.sessionList.querySelector(`[data-session-id="${CSS.escape(s.id)}"] .session-open`)?.focus();
-      }
-    });
-    input.addEventListener("blur", () => editing && save());
-    li.append(input);
-    queueMicrotask(() => {
-      input.focus();
-      input.select();
-    });
-    return li;
-  }
-  const open = h(
-    "button",
-    { type: "button", class: "session-open", "aria-current": active ? "page" : null },
-    h("span", { class: "session-title" }, title),
-    h(
-      "span",
-      { class: "session-meta" },
-      h("span", { class: `state-badge state-${s.state || "hot"}`, title: `Session state: ${s.state || "hot"}` }, s.state || "hot"),
-      [typeof s.turns === "number" ? `${s.turns} turn${s.turns === 1 ? "" : "s"}` : null, relativeTime(s.last_active_at)].filter(Boolean).join(" · ")
-    )
-  );
-  open.addEventListener("click", () => openSession(s.id));
-  if (editing && editing.id === s.id && editing.mode === "delete") {
-    const yes = h("button", { type: "button", class: "btn btn-danger btn-small" }, "Delete");
-    const no = h("button", { type: "button", class: "btn btn-small" }, "Cancel");
-    yes.addEventListener("click", () => deleteSession(s.id));
-    no.addEventListener("click", () => {
-      editing = null;
-      renderSessionList();
-    });
-    li.append(h("div", { class: "confirm", role: "group", "aria-label": `Delete “${title}”?` }, h("span", {}, "Delete this chat?"), yes, no));
-    queueMicrotask(() => no.focus());
-    return li;
-  }
-  const rename = h("button", { type: "button", class: "icon-btn small", "aria-label": `Rename “${title}”`, title: "Rename" }, icon("edit"));
-  rename.addEventListener("click", () => {
-    editing = { id: s.id, mode: "rename" };
+  const view = {
+    active: !!(current && current.id === s.id),
+    running: !!controllers.get(s.id)?.running,
+    mode: editing && editing.id === s.id ? editing.mode : null,
+  };
+  const edit = (mode) => () => {
+    editing = mode ? { id: s.id, mode } : null;
     renderSessionList();
+    if (!mode) focusRow(s.id);
+  };
+  return renderSessionItem(s, view, {
+    open: () => openSession(s.id),
+    startRename: edit("rename"),
+    startDelete: edit("delete"),
+    cancel: edit(null),
+    confirmDelete: () => deleteSession(s.id),
+    rename: (title) => renameSession(s, title),
   });
-  const del = h("button", { type: "button", class: "icon-btn small", "aria-label": `Delete “${title}”`, title: "Delete" }, icon("trash"));
-  del.addEventListener("click", () => {
-    editing = { id: s.id, mode: "delete" };
-    renderSessionList();
-  });
-  li.append(open, h("div", { class: "session-actions" }, rename, del));
-  return li;
+}
+
+async function renameSession(s, title) {
+  editing = null;
+  if (title && title !== s.title) {
+    try {
+      await api.renameSession(s.id, title);
+      s.title = title;
+      const c = controllers.get(s.id);
+      if (c) c.title = title;
+      store.saveSession(s.id, { title });
+      if (current && current.id === s.id) updateHeader();
+    } catch (err) {
+      toast(`Rename failed: ${err.message}`, "error");
+    }
+  }
+  renderSessionList();
+  focusRow(s.id);
 }
 
 async function deleteSession(id) {
