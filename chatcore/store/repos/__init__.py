@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatcore.store.repos.blocks import KvBlockRepo
 from chatcore.store.repos.chains import Chain, ChainRepo
+from chatcore.store.repos.leases import LeaseRepo, LeaseResult
 from chatcore.store.repos.sessions import SessionRepo
 from chatcore.store.repos.tenants import ApiKeyRepo, TenantRepo
 from chatcore.store.repos.turns import TurnRepo, TurnStats
@@ -37,6 +38,7 @@ class Repos:
         self.chains = ChainRepo(db)
         self.turns = TurnRepo(db)
         self.blocks = KvBlockRepo(db)
+        self.leases = LeaseRepo(db)
 
 
 __all__ = [
@@ -44,6 +46,8 @@ __all__ = [
     "Chain",
     "ChainRepo",
     "KvBlockRepo",
+    "LeaseRepo",
+    "LeaseResult",
     "Repos",
     "SessionRepo",
     "TenantRepo",

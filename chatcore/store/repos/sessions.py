@@ -30,11 +30,15 @@ class SessionRepo:
         model_fingerprint: str,
         title: str = "",
         system_prompt: str | None = None,
+        session_id: str | None = None,
     ) -> tuple[ChatSession, str]:
-        """Create a hot session; returns it with its plaintext resume token (stored hashed only)."""
+        """Create a hot session; returns it with its plaintext resume token (stored hashed only).
+
+        `session_id` names it (behind nginx, after the routing key; see docs/deploy.md);
+        by default the id is random."""
         token = tokens.new_resume_token()
         session = ChatSession(
-            id=tokens.new_session_id(),
+            id=session_id or tokens.new_session_id(),
             tenant_id=tenant_id,
             title=title,
             system_prompt=system_prompt,
