@@ -243,11 +243,26 @@ async def test_reload_mid_answer_resumes_without_duplicates(page):
     assert await current_session_id(page) == sid
     await assert_matches_server(page, sid)
 
-    # and a plain reload of a finished conversation shows it once, with its statistics
+    # a page that died just before `done` comes back to a turn the history already holds:
+    # the replayed frames must not add a second copy
+    await page.evaluate(
+        """([sid, user]) => {
+            const key = 'chatcore.session.' + sid;
+            const saved = JSON.parse(localStorage.getItem(key));
+            saved.pending = {clientId: 'gone-page', user, params: {}, base: 0, startSeq: saved.lastSeq - 1, turn: null};
+            localStorage.setItem(key, JSON.stringify(saved));
+        }""",
+        [sid, LONG_PROMPT],
+    )
     await page.reload()
-    await expect(page.get_by_test_id("message-assistant")).to_have_count(1)
+    await expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "open", timeout=GEN_TIMEOUT_MS)
     await expect(assistant(page).get_by_test_id("usage")).to_be_visible()
+    await expect(page.get_by_test_id("message-user")).to_have_count(1)
+    await expect(page.get_by_test_id("message-assistant")).to_have_count(1)
+    await expect(page.get_by_test_id("stop")).to_be_disabled()
     await assert_matches_server(page, sid)
+    pending = await page.evaluate("(sid) => JSON.parse(localStorage.getItem('chatcore.session.' + sid)).pending", sid)
+    assert pending is None
 
 
 async def test_network_drop_mid_answer_reconnects_and_continues(page):

@@ -201,7 +201,7 @@ export class ChatSession extends EventTarget {
       if (hist.length >= p.base + 2 && hist[p.base].role === "user" && hist[p.base + 1].role === "assistant") {
         // the history already holds this turn (it finished while we were away, or the server
         // lists it in flight): replayed frames only confirm its text and bring its statistics
-        this.adopt = { msg: hist[p.base + 1], turn: p.turn, shadow: "", fromPending: true };
+        this.adopt = { msg: hist[p.base + 1], turn: p.turn, shadow: "", fromPending: true, sawStart: false };
         this.clearPending(); // nothing to resend: the server has the whole exchange
       } else {
         hist.length = Math.min(hist.length, p.base); // a running turn's user message is ours to show
@@ -284,7 +284,7 @@ export class ChatSession extends EventTarget {
         const last = this.messages[this.messages.length - 1];
         if (last && last.role === "assistant" && !this.isLive(f)) {
           // a replay of a turn this page did not start: probably the last one in the history
-          this.adopt = { msg: last, turn: f.turn, shadow: "", fromPending: false };
+          this.adopt = { msg: last, turn: f.turn, shadow: "", fromPending: false, sawStart: true };
           return;
         }
         msg = makeMsg("assistant", "", { streaming: true, waiting: true, turn: f.turn, foreign: true });
@@ -314,9 +314,12 @@ export class ChatSession extends EventTarget {
   }
 
   onAdoptFrame(a, f) {
+    // The replayed text is the whole answer when its `start` was replayed too; otherwise it
+    // is only a tail, and the text from the history stays.
+    const whole = () => a.sawStart || a.shadow.startsWith(a.msg.content);
     if (f.type === "start") {
       a.turn = f.turn;
-      if (this.pending) this.pending.startSeq = f.seq;
+      a.sawStart = true;
       return;
     }
     if (f.type === "token") {
@@ -324,7 +327,7 @@ export class ChatSession extends EventTarget {
       a.shadow += f.text || "";
       if (this.isLive(f) && (a.fromPending || a.shadow.startsWith(a.msg.content))) {
         // still running: the history held a partial answer; continue it live
-        a.msg.content = a.shadow;
+        if (whole()) a.msg.content = a.shadow;
         a.msg.streaming = true;
         a.msg.turn = f.turn;
         this.adopt = null;
@@ -340,7 +343,7 @@ export class ChatSession extends EventTarget {
       return;
     }
     if (f.type === "done") {
-      if (a.shadow.length >= a.msg.content.length && (a.fromPending || a.shadow.startsWith(a.msg.content))) {
+      if (whole() && a.shadow.length >= a.msg.content.length && (a.fromPending || a.shadow.startsWith(a.msg.content))) {
         a.msg.content = a.shadow;
       }
       this.adopt = null;
