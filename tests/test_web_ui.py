@@ -17,6 +17,7 @@ async_playwright = playwright_api.async_playwright
 expect = playwright_api.expect
 
 pytestmark = [pytest.mark.browser, pytest.mark.model]
+expect.set_options(timeout=15_000)  # UI steps; generation waits use GEN_TIMEOUT_MS
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -279,12 +280,23 @@ async def test_network_drop_mid_answer_reconnects_and_continues(page):
     assert await assistant(page).get_attribute("data-finish") is None, "the answer finished before the drop"
     assert len(sockets) == 1
 
+    # record every state the indicator takes from now on (a reconnect can be quicker than a poll)
+    await page.evaluate(
+        """() => {
+            const el = document.querySelector('[data-testid="connection"]');
+            window.__states = [];
+            new MutationObserver(() => window.__states.push(el.dataset.state))
+                .observe(el, {attributes: true, attributeFilter: ['data-state']});
+        }"""
+    )
     # cut the connection under the page, as a network loss would
     ws, server = sockets[0]
     await server.close()
     await ws.close(code=1001, reason="network lost")
-    await expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "connecting")
+    await page.wait_for_function("() => window.__states.includes('connecting')")
     await expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "open", timeout=GEN_TIMEOUT_MS)
+    states = await page.evaluate("() => window.__states")
+    assert states.index("connecting") < len(states) - 1 and states[-1] == "open", states
     assert len(sockets) >= 2, "the UI did not reconnect"
 
     assert await wait_finished(page) in ("stop", "length")
