@@ -76,12 +76,17 @@ class DiskBlocks:
             raise
         return BlockFile(self.name_for(block_hash), path.stat().st_size, checksum)
 
-    def read(self, block_hash: bytes) -> torch.Tensor | None:
-        """The block's tensor, or None (the file is then deleted) if missing or not trustworthy."""
+    def read(self, block_hash: bytes, *, missing_ok: bool = True) -> torch.Tensor | None:
+        """The block's tensor, or None (the file is then deleted) if missing or not trustworthy.
+
+        With `missing_ok=False` a missing file raises `FileNotFoundError` instead: another
+        replica sharing the directory may delete a block (its byte budget) at any time."""
         path = self.path_for(block_hash)
         try:
             data = path.read_bytes()
         except FileNotFoundError:
+            if not missing_ok:
+                raise
             return None
         problem = self._check(data, block_hash)
         if isinstance(problem, str):

@@ -67,6 +67,7 @@ class Services:
             log.warning("%d turn(s) were interrupted by the last shutdown", interrupted)
         policy = EvictionPolicy(manager)
         policy.start()
+        manager.leases.start()
         return cls(settings, db, sessionmaker, engine, metrics, manager, TurnRunner(manager), policy, disk,
                    local.id, loaded.path.name)
 
@@ -78,6 +79,7 @@ class Services:
         running = [s.running for s in self.sessions.live.values() if s.running is not None]
         await asyncio.gather(*running, return_exceptions=True)
         await asyncio.gather(*self.turns.background, return_exceptions=True)
+        await self.sessions.leases.stop()  # releases this replica's leases
         self.engine.shutdown()
         if self.disk is not None:
             self.disk.close()

@@ -54,8 +54,9 @@ async def create_session(request: Request[Any, Any, Any], data: dict[str, Any] |
         raise ApiError("bad_request", f"unknown fields: {', '.join(unknown)}")
     title = _optional_text(data, "title", MAX_TITLE) or ""
     system_prompt = _optional_text(data, "system_prompt", MAX_SYSTEM_PROMPT)
-    state, token = await _services(request).sessions.create(principal.tenant_id, system_prompt=system_prompt,
-                                                            title=title)
+    state, token = await _services(request).sessions.create(
+        principal.tenant_id, system_prompt=system_prompt, title=title,
+        id_hint=request.headers.get("x-chatcore-new-session"))
     return {"id": state.id, "resume_token": token, "title": state.title, "system_prompt": state.system_prompt}
 
 

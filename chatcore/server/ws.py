@@ -175,9 +175,13 @@ class Connection:
         last_seq = frame.get("last_seq")
         if last_seq is not None and (isinstance(last_seq, bool) or not isinstance(last_seq, int) or last_seq < 0):
             raise ApiError("bad_request", "last_seq must be a non-negative integer or null")
+        routed = self.socket.query_params.get("session_id")  # for nginx's affinity (docs/deploy.md)
+        if routed and session_id is not None and routed != session_id:
+            raise ApiError("bad_request", "the session_id in the URL and in hello differ")
         manager = self.services.sessions
         if session_id is None:
-            state, token = await manager.create(self.principal.tenant_id, system_prompt=system_prompt, title=title)
+            state, token = await manager.create(self.principal.tenant_id, system_prompt=system_prompt, title=title,
+                                                id_hint=self.socket.headers.get("x-chatcore-new-session"))
         else:
             state = await manager.open(self.principal.tenant_id, session_id)
             if not await manager.verify_resume_token(self.principal.tenant_id, session_id, token):
@@ -290,6 +294,8 @@ async def _on_message(conn: Connection, message: dict[str, Any], max_bytes: int)
             conn.close(CLOSE_POLICY, "unauthorized")
     except SessionError as exc:
         conn.send(from_session_error(exc).frame())
+        if exc.code == "conflict":  # another replica serves the session
+            conn.close(CLOSE_CONFLICT, "session served elsewhere")
     except Exception:
         log.exception("frame handling failed")
         conn.error("internal", "internal error")

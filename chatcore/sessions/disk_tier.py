@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from chatcore.kv.disk import DiskBlocks
@@ -34,6 +35,7 @@ class DiskTier:
         self._known: set[bytes] = set()
         self.writes = 0
         self.rejected = 0
+        self.missing = 0  # indexed, but deleted (by another replica's budget) before we read it
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
@@ -54,11 +56,19 @@ class DiskTier:
             return 0
         loop = asyncio.get_running_loop()
         written = await loop.run_in_executor(self._executor, self._write_all, blocks)
-        async with self.sessionmaker() as db, db.begin():
-            repos = Repos(db)
-            for block_hash, info in written:
-                await repos.blocks.upsert_block(block_hash.hex(), path=info.name, size=info.size,
-                                                checksum=info.checksum, model_fingerprint=self.fingerprint)
+        for attempt in range(2):
+            try:
+                async with self.sessionmaker() as db, db.begin():
+                    repos = Repos(db)
+                    for block_hash, info in written:
+                        await repos.blocks.upsert_block(block_hash.hex(), path=info.name, size=info.size,
+                                                        checksum=info.checksum, model_fingerprint=self.fingerprint)
+                break
+            except IntegrityError:
+                # Another replica indexed one of these blocks (the same content) at the same time:
+                # the second attempt finds its row and updates it.
+                if attempt:
+                    raise
         self._known.update(h for h, _ in written)
         self.writes += len(written)
         await self.enforce_budget()
@@ -81,26 +91,33 @@ class DiskTier:
         if not run:
             return []
         loop = asyncio.get_running_loop()
-        tensors = await loop.run_in_executor(self._executor, self._read_run, run)
+        tensors, missing = await loop.run_in_executor(self._executor, self._read_run, run)
         async with self.sessionmaker() as db, db.begin():
             repos = Repos(db)
             for block_hash in run[: len(tensors)]:
                 await repos.blocks.touch_block(block_hash.hex())
             if len(tensors) < len(run):
                 bad = run[len(tensors)]
-                self.rejected += 1
+                if missing:
+                    self.missing += 1  # its evictor drops the row too; dropping it twice is harmless
+                else:
+                    self.rejected += 1
                 self._known.discard(bad)
                 await repos.blocks.delete_block(bad.hex())
         return tensors
 
-    def _read_run(self, run: list[bytes]) -> list[torch.Tensor]:
+    def _read_run(self, run: list[bytes]) -> tuple[list[torch.Tensor], bool]:
+        """The readable leading blocks of `run`, and whether the run stopped at a missing file."""
         out: list[torch.Tensor] = []
         for block_hash in run:
-            tensor = self.files.read(block_hash)
+            try:
+                tensor = self.files.read(block_hash, missing_ok=False)
+            except FileNotFoundError:
+                return out, True
             if tensor is None:
                 break
             out.append(tensor)
-        return out
+        return out, False
 
     async def enforce_budget(self) -> int:
         """Delete least recently used blocks until the index fits the byte budget."""

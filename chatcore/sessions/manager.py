@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections import Counter
 from typing import Any
 
@@ -18,9 +19,11 @@ from chatcore.config import Settings
 from chatcore.engine.engine import AsyncEngine
 from chatcore.metrics import Metrics
 from chatcore.sessions.disk_tier import DiskTier
+from chatcore.sessions.leases import LeaseKeeper
 from chatcore.sessions.pins import PinRegistry
 from chatcore.sessions.state import SessionState
 from chatcore.sessions.template import ChatTemplate
+from chatcore.sessions.turn import TurnFrames
 from chatcore.store.packing import unpack_ids
 from chatcore.store.repos import Repos
 
@@ -47,6 +50,14 @@ class Unauthorized(SessionError):
     code = "unauthorized"
 
 
+class Conflict(SessionError):
+    code = "conflict"
+
+
+# The routing key nginx names a new session after ($request_id: 32 hex digits); docs/deploy.md.
+SESSION_ID_HINT = re.compile(r"[0-9a-f]{32}")
+
+
 class SessionManager:
     def __init__(self, engine: AsyncEngine, sessionmaker: async_sessionmaker[AsyncSession], settings: Settings,
                  metrics: Metrics, disk: DiskTier | None = None) -> None:
@@ -62,6 +73,8 @@ class SessionManager:
         self.live: dict[str, SessionState] = {}
         self.active_turns: Counter[str] = Counter()
         self._loading: dict[str, asyncio.Lock] = {}
+        self.leases = LeaseKeeper(sessionmaker, settings,
+                                  running=lambda: [sid for sid, s in self.live.items() if s.turn_running])
         core = engine.core
         core.scheduler.reclaim = lambda wanted: self.pins.reclaim(wanted, lambda: core.pool.num_available)
 
@@ -70,13 +83,19 @@ class SessionManager:
 
     # ----- create / open ---------------------------------------------------------------------
     async def create(self, tenant_id: str, *, system_prompt: str | None = None,
-                     title: str = "") -> tuple[SessionState, str]:
+                     title: str = "", id_hint: str | None = None) -> tuple[SessionState, str]:
+        """`id_hint`: nginx's routing key for a new session (X-Chatcore-New-Session), used as
+        its id when well-formed and free, so that the session hashes to this replica."""
         async with self.sessionmaker() as db, db.begin():
             repos = Repos(db)
             if await repos.sessions.count_for_tenant(tenant_id) >= self.settings.max_sessions_per_tenant:
                 raise Busy(f"the tenant already has {self.settings.max_sessions_per_tenant} sessions")
+            if id_hint is not None and (not SESSION_ID_HINT.fullmatch(id_hint)
+                                        or await repos.leases.get(id_hint) is not None):
+                id_hint = None
             row, token = await repos.sessions.create(tenant_id, model_fingerprint=self.fingerprint,
-                                                     title=title, system_prompt=system_prompt)
+                                                     title=title, system_prompt=system_prompt, session_id=id_hint)
+            await repos.leases.acquire(row.id, self.leases.replica_id, self.leases.lease_s)
         state = SessionState(row.id, tenant_id, title, system_prompt, self.scope_key(tenant_id))
         if system_prompt:
             state.messages.append({"role": "system", "content": system_prompt})
@@ -89,6 +108,8 @@ class SessionManager:
         if state is not None:
             if state.tenant_id != tenant_id:
                 raise NotFound("no such session")
+            async with state.lock:
+                await self.hold(state)
             return state
         lock = self._loading.setdefault(session_id, asyncio.Lock())
         async with lock:
@@ -101,12 +122,45 @@ class SessionManager:
             raise NotFound("no such session")
         return state
 
+    # ----- leases (docs/deploy.md) --------------------------------------------------------------
+    async def _take_lease(self, tenant_id: str, session_id: str) -> str | None:
+        """Own the session (waiting out a dead replica's lease); returns its previous owner."""
+        result = await self.leases.acquire(session_id, tenant_id)
+        if not result.found:
+            raise NotFound("no such session")
+        if not result.acquired:
+            raise Conflict(f"session is served by replica {result.owner}; retry later")
+        return result.previous
+
+    async def hold(self, state: SessionState) -> None:
+        """Before using a session kept in memory (caller holds `state.lock`): take its lease, and
+        if another replica had it meanwhile, reload it from the database in place."""
+        try:
+            previous = await self._take_lease(state.tenant_id, state.id)
+        except NotFound:
+            self.live.pop(state.id, None)
+            await self.engine.call(lambda core: self.pins.release(state.id))
+            raise
+        if previous != self.leases.replica_id and not state.turn_running:
+            fresh = await self._read(state.tenant_id, state.id)
+            await self.engine.call(lambda core: self.pins.release(state.id))  # its KV may be stale
+            for name in ("title", "system_prompt", "tokens", "messages", "turn_count", "next_seq", "current"):
+                setattr(state, name, getattr(fresh, name))
+
     async def _load(self, tenant_id: str, session_id: str) -> SessionState:
+        await self._take_lease(tenant_id, session_id)
+        return await self._read(tenant_id, session_id)
+
+    async def _read(self, tenant_id: str, session_id: str) -> SessionState:
+        """The session as the database has it. Called with the lease held and no turn of it
+        running here, so a turn the database still shows running was lost with a replica (or a
+        crash): it is closed as interrupted, and a client that re-attaches gets its `done`."""
         async with self.sessionmaker() as db, db.begin():
             repos = Repos(db)
             row = await repos.sessions.get(tenant_id, session_id)
             if row is None:
                 raise NotFound("no such session")
+            await repos.turns.mark_interrupted(session_id)
             chain = await repos.chains.load_chain(session_id)
             turns = await repos.turns.list_turns(session_id)
             await repos.sessions.set_state(session_id, "warm")
@@ -124,6 +178,16 @@ class SessionManager:
                 if turn.finish_reason not in (None, "interrupted"):
                     state.messages += [pending_user, {"role": "assistant", "content": turn.content}]
                 pending_user = None
+        last = turns[-1] if turns else None
+        if last is not None and last.role == "assistant" and last.finish_reason == "interrupted":
+            # Its frames died with the replica: re-attaching clients get `done` (disconnected),
+            # numbered after every frame the turn could have used (its range was reserved).
+            state.current = TurnFrames(last.idx // 2, last.client_id, lambda: row.next_seq)
+            state.current.emit({"type": "done", "finish_reason": "disconnected",
+                                "usage": {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0,
+                                          "cached_device_tokens": 0, "cached_disk_tokens": 0,
+                                          "recomputed_tokens": 0},
+                                "timing": {"queue_ms": None, "ttft_ms": None, "total_ms": None}})
         if chain is not None and row.model_fingerprint == self.fingerprint:
             state.tokens = list(chain.token_ids)
         elif chain is not None:
@@ -157,6 +221,7 @@ class SessionManager:
         state = self.live.get(session_id)
         if state is not None and state.tenant_id != tenant_id:
             raise NotFound("no such session")
+        await self._take_lease(tenant_id, session_id)
         if state is not None and state.request_id is not None:
             await self.engine.abort(state.request_id)
             if state.running is not None:
@@ -214,9 +279,8 @@ class SessionManager:
         }
 
     async def mark_interrupted(self) -> int:
-        """At start-up: close the turns a crash left running."""
-        async with self.sessionmaker() as db, db.begin():
-            return await Repos(db).turns.mark_interrupted()
+        """At start-up: close the turns a crash left running (not those other replicas run)."""
+        return await self.leases.recover()
 
     def counts(self) -> dict[str, int]:
         hot = sum(1 for sid in self.live if self.state_of(sid) == "hot")
@@ -232,6 +296,9 @@ class SessionManager:
         await self.engine.call(lambda c: self.pins.release(state.id))
         async with self.sessionmaker() as db, db.begin():
             repos = Repos(db)
+            if not await repos.leases.release(self.leases.replica_id, [state.id]):
+                self.live.pop(state.id, None)  # another replica took it over: what we hold is stale
+                return
             if state.tokens:
                 await repos.chains.save_chain(state.id, state.tokens, chain_hashes(state.tokens, bs, salt), bs,
                                               len(state.tokens))

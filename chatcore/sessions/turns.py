@@ -25,6 +25,7 @@ from chatcore.engine.core import EngineCore
 from chatcore.engine.outputs import RequestOutput
 from chatcore.engine.request import Request, SamplingParams
 from chatcore.engine.scheduler import RequestRejected
+from chatcore.sessions.leases import LeaseLost
 from chatcore.sessions.manager import Busy, TooLarge
 from chatcore.sessions.state import SessionState
 from chatcore.sessions.turn import TurnFrames
@@ -53,6 +54,7 @@ class TurnRunner:
                 raise Busy("a turn is already running in this session")
             if self.m.active_turns[state.tenant_id] >= self.m.settings.max_turns_per_tenant:
                 raise Busy(f"the tenant already runs {self.m.settings.max_turns_per_tenant} turns")
+            await self.m.hold(state)  # the lease: this replica alone runs the session's turns
             prompt, added, use_pin = self._prompt(state, content)
             if added > self.m.settings.max_message_tokens:
                 raise TooLarge(f"the message is {added} tokens; the limit is {self.m.settings.max_message_tokens}")
@@ -198,20 +200,27 @@ class TurnRunner:
         salt = self.engine.core.salt(state.scope_key)
         bs = self.engine.core.pool.block_size
         last_seq = state.next_seq + 1  # the done frame's number
-        async with self.m.sessionmaker() as db, db.begin():
-            repos = Repos(db)
-            await repos.turns.finish_turn(assistant_id, content=text, token_ids=generated, finish_reason=reason,
-                                          stats=stats, alternatives=alternatives)
-            await repos.chains.save_chain(state.id, state.tokens, chain_hashes(state.tokens, bs, salt), bs,
-                                          len(state.tokens))
-            await repos.sessions.set_seq(state.id, last_seq)
-            await repos.sessions.touch(state.id)
+        try:
+            async with self.m.sessionmaker() as db, db.begin():
+                repos = Repos(db)
+                await self.m.leases.fence(repos, state.id)  # LeaseLost: another replica owns it now
+                await repos.turns.finish_turn(assistant_id, content=text, token_ids=generated,
+                                              finish_reason=reason, stats=stats, alternatives=alternatives)
+                await repos.chains.save_chain(state.id, state.tokens, chain_hashes(state.tokens, bs, salt), bs,
+                                              len(state.tokens))
+                await repos.sessions.set_seq(state.id, last_seq)
+                await repos.sessions.touch(state.id)
+        except LeaseLost:
+            log.error("session %s moved to another replica during a turn; the turn is not saved", state.id)
+            self.m.live.pop(state.id, None)  # stale here; `_pin` below then releases the table
+            error = "conflict"
         self.m.metrics.record_request(reason, stats.prompt_tokens, stats.cached_device_tokens,
                                       stats.cached_disk_tokens, stats.queue_ms, stats.ttft_ms,
                                       timings.inter_token_ms if timings else [])
         await self._pin(state, req)
         if error is not None:
             code = "busy" if "max_queue_wait_s" in (error or "") or error == "busy" else "internal"
+            code = "conflict" if error == "conflict" else code
             frames.emit_error(code, "no capacity right now, try again" if code == "busy" else "the turn failed")
         frames.emit({
             "type": "done", "finish_reason": reason,
