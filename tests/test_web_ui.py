@@ -484,6 +484,10 @@ async def test_layout_at_phone_and_desktop_widths(page):
     await page.emulate_media(color_scheme="light")
 
     await assert_controls_named(page)
+    await new_session.click()
+    await expect(page.get_by_test_id("composer")).to_be_focused()
+    await expect(page.get_by_label("System prompt", exact=True)).to_be_visible()
+    await shot(page, "ui-1440-new-chat.png")
 
 
 async def test_stale_resume_token_is_renewed(page, live_server):

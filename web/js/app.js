@@ -226,7 +226,7 @@ function newChat() {
   store.setCurrent(null);
   show(makeController({}));
   closeSidebar();
-  el.systemPrompt.focus({ preventScroll: true });
+  el.input.focus({ preventScroll: true });
 }
 
 function openSession(id) {
