@@ -42,9 +42,9 @@ async def hello(ws, **fields) -> dict:
     return frame
 
 
-async def poll(check, what: str):
+async def poll(check, what: str, deadline_s: float = DEADLINE_S):
     """Poll `check()` until it returns something truthy, or fail after the deadline."""
-    deadline = time.monotonic() + DEADLINE_S
+    deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         result = check()
         if result:
@@ -133,22 +133,31 @@ async def test_an_expired_grace_timer_does_not_cancel_a_later_turn(grace) -> Non
     assert grace.request("DELETE", f"/v1/sessions/{sid}")[0] == 204
 
 
+def read_a_little(server, body: dict, headers: dict | None = None) -> None:
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, headers=headers or {},
+                      timeout=120) as resp:
+        assert resp.status_code == 200
+        for i, _ in enumerate(resp.iter_lines()):
+            if i >= 6:
+                return  # closing the response drops the connection mid-answer
+
+
+async def test_a_stateless_stream_closed_early_is_aborted(grace) -> None:
+    body = {"messages": [{"role": "user", "content": STORY}], "max_tokens": 1000, "temperature": 0, "stream": True}
+    await asyncio.to_thread(read_a_little, grace, body)
+    # Finishing 1000 tokens would take far longer than this deadline: the request was aborted.
+    cache = await poll(lambda: (c := grace.get("/v1/admin/cache")[1])["audit"]["used"] == 0 and c,
+                       "the aborted request's blocks", deadline_s=10)
+    assert cache["audit"]["ok"] and cache["audit"]["sum_refs"] == 0, cache["audit"]
+
+
 async def test_an_http_session_stream_closed_early_is_cancelled_after_grace(grace) -> None:
     status, session = grace.request("POST", "/v1/sessions", {"title": "http stream"})
     assert status == 201
     sid = session["id"]
     body = {"messages": [{"role": "user", "content": STORY}], "max_tokens": MAX_TOKENS, "temperature": 0,
             "stream": True}
-
-    def read_a_little() -> None:
-        with httpx.stream("POST", grace.base_url + "/v1/chat/completions", json=body,
-                          headers={"X-Session-Id": sid}, timeout=120) as resp:
-            assert resp.status_code == 200
-            for i, _ in enumerate(resp.iter_lines()):
-                if i >= 6:
-                    return  # closing the response drops the connection mid-answer
-
-    await asyncio.to_thread(read_a_little)
+    await asyncio.to_thread(read_a_little, grace, body, {"X-Session-Id": sid})
     answer = await poll(lambda: [t for t in assistant_turns(grace, sid) if t["finish_reason"]], "the turn to end")
     assert answer[0]["finish_reason"] == "disconnected", answer
     assert answer[0]["usage"]["completion_tokens"] < MAX_TOKENS
