@@ -1,0 +1,150 @@
+"""Suite 6, resume: TTFT of the first turn after a server restart, disk tier against recompute.
+
+Real `chatcore serve` processes sharing one data directory (one SQLite database, one kv dir):
+1. Server A (disk tier on, CHATCORE_KV_DISK_GB=2) builds the histories: for each target length
+   (500, 1,000, 2,000 tokens) and each repeat, two sessions (one per mode), each with its own
+   system prompt (so no two sessions share a block), grown turn by turn with long user
+   messages and short greedy answers until the history reaches the target. The disk tier
+   writes every turn's full blocks in the background; A is stopped with SIGTERM, which waits
+   for those writes, and the kv dir is checked for block files.
+2. Server B (disk tier on) starts with an empty KV pool. After one warm-up turn in an unrelated
+   session (first-forward costs are not the disk tier's), it resumes the disk-mode sessions
+   one at a time: hello with the session id and resume token, then a short new turn.
+3. Server C (disk tier off, CHATCORE_KV_DISK_GB=0) does the same for the recompute sessions:
+   the whole history is prefilled again.
+TTFT is the server's `done.timing.ttft_ms` (the engine's arrival-to-first-token, including the
+disk read); `done.usage.cached_disk_tokens` shows what came from disk. The client-side TTFT
+(user frame sent to first token frame) is recorded too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench import live
+from bench.common import Context, median, target
+from bench.workload import text_of_tokens
+
+ANSWER_TOKENS = 16
+
+
+def sizes(ctx: Context) -> dict[str, Any]:
+    if ctx.tiny:
+        return {"lengths": [160], "repeats": 1, "user_tokens": 60}
+    if ctx.quick:
+        return {"lengths": [500, 2000], "repeats": 1, "user_tokens": 300}
+    return {"lengths": [500, 1000, 2000], "repeats": 3, "user_tokens": 300}
+
+
+async def _build(server: Any, tok: Any, system: str, length: int, user_tokens: int, rng: random.Random) -> dict:
+    """A session whose history reaches about `length` tokens."""
+    session = await live.connect(server, system_prompt=system)
+    history = 0
+    try:
+        while True:
+            remaining = length - history
+            if remaining <= 40:
+                break
+            size = max(20, min(user_tokens, remaining - 30))
+            content = text_of_tokens(tok, rng, size)
+            result = await session.turn(content, ANSWER_TOKENS)
+            usage = result.usage
+            history = usage["prompt_tokens"] + usage["completion_tokens"] + 1
+    finally:
+        await session.ws.close()
+    return {"session_id": session.session_id, "resume_token": session.resume_token, "history_tokens": history}
+
+
+async def _resume(server: Any, built: dict, content: str) -> dict:
+    session = await live.connect(server, session_id=built["session_id"], resume_token=built["resume_token"])
+    try:
+        result = await session.turn(content, 4)
+    finally:
+        await session.ws.close()
+    return {"ttft_ms": result.server_ttft_ms, "client_ttft_ms": 1e3 * result.client_ttft_s if result.client_ttft_s else None,
+            "prompt_tokens": result.usage["prompt_tokens"], "cached_tokens": result.usage["cached_tokens"],
+            "cached_disk_tokens": result.usage.get("cached_disk_tokens", 0),
+            "recomputed_tokens": result.usage.get("recomputed_tokens")}
+
+
+async def _warm(server: Any, tok: Any) -> None:
+    session = await live.connect(server, system_prompt="Warm-up session.")
+    try:
+        await session.turn(text_of_tokens(tok, random.Random(99), 200), 2)
+    finally:
+        await session.ws.close()
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    sz = sizes(ctx)
+    tok = ctx.tokenizer
+    root = Path(tempfile.mkdtemp(prefix="chatcore-bench-resume-"))
+    rng = random.Random(11)
+    try:
+        plan = [(length, rep, mode) for length in sz["lengths"] for rep in range(sz["repeats"])
+                for mode in ("disk", "recompute")]
+        ctx.log(f"  server A: building {len(plan)} sessions")
+        server = live.start(ctx, root, kv_disk_gb=2)
+        try:
+            async def build_all() -> list[dict]:
+                jobs = [_build(server, tok, f"Session {i}: you are assistant number {i} of a study on caching.",
+                               length, sz["user_tokens"], random.Random(1000 + i)) for i, (length, _, _) in enumerate(plan)]
+                return await asyncio.gather(*jobs)
+
+            built = asyncio.run(build_all())
+        finally:
+            server.stop()
+        kv_dir = root / "kv"
+        files = sum(1 for _ in kv_dir.rglob("*.kvb")) if kv_dir.exists() else 0
+        if files == 0:
+            raise RuntimeError("the disk tier wrote no block files before the restart")
+
+        resumed: dict[str, list[tuple[int, dict]]] = {"disk": [], "recompute": []}
+        for mode, disk_gb in (("disk", 2), ("recompute", 0)):
+            ctx.log(f"  server {'B' if mode == 'disk' else 'C'}: resuming with {mode}")
+            server = live.start(ctx, root, kv_disk_gb=disk_gb)
+            try:
+                asyncio.run(_warm(server, tok))
+                for (length, _, m), b in zip(plan, built, strict=True):
+                    if m != mode:
+                        continue
+                    content = text_of_tokens(tok, rng, 20, prefix="One more question:")
+                    r = asyncio.run(_resume(server, b, content))
+                    r["history_tokens"] = b["history_tokens"]
+                    resumed[mode].append((length, r))
+            finally:
+                server.stop()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    rows = []
+    for length in sz["lengths"]:
+        disk = [r for n, r in resumed["disk"] if n == length]
+        rec = [r for n, r in resumed["recompute"] if n == length]
+        rows.append({
+            "target_tokens": length,
+            "history_tokens": median([r["prompt_tokens"] for r in disk + rec]),
+            "disk_ttft_ms": median([r["ttft_ms"] for r in disk]),
+            "disk_client_ttft_ms": median([r["client_ttft_ms"] for r in disk if r["client_ttft_ms"]]),
+            "disk_cached_disk_tokens": median([r["cached_disk_tokens"] for r in disk]),
+            "recompute_ttft_ms": median([r["ttft_ms"] for r in rec]),
+            "recompute_client_ttft_ms": median([r["client_ttft_ms"] for r in rec if r["client_ttft_ms"]]),
+            "recompute_cached_tokens": median([r["cached_tokens"] for r in rec]),
+            "runs": {"disk": disk, "recompute": rec},
+        })
+        row = rows[-1]
+        row["ratio"] = row["disk_ttft_ms"] / row["recompute_ttft_ms"]
+        ctx.log(f"  {row['history_tokens']:.0f} tokens: disk {row['disk_ttft_ms']:.0f} ms "
+                f"({row['disk_cached_disk_tokens']:.0f} from disk) vs recompute {row['recompute_ttft_ms']:.0f} ms")
+    last = rows[-1]
+    return {
+        "sizes": sz, "rows": rows, "kv_files_after_build": files,
+        "targets": [target(f"resume TTFT <= 0.3x recompute at {last['target_tokens']} tokens", last["ratio"], "<=", 0.3,
+                           f"{last['disk_ttft_ms']:.0f} vs {last['recompute_ttft_ms']:.0f} ms, "
+                           f"{last['disk_cached_disk_tokens']:.0f} of {last['history_tokens']:.0f} tokens from disk")],
+    }

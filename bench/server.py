@@ -1,0 +1,126 @@
+"""Suite 7, server: output tokens/s through the WebSocket API against the in-process engine.
+
+The same 16 chats as the throughput suite (a shared ~300-token system prompt, distinct
+~100-token user messages asking for detailed answers, greedy, max 64 tokens; the WebSocket
+API has no ignore_eos, so both sides count the tokens actually generated):
+* server: a real `chatcore serve` process (same model, dtype, block size, threads) and a real
+  client (`websockets`) in this process: 16 sessions opened, then 16 user frames sent at once.
+  Time from the first user frame to the last `done` frame.
+* engine: `AsyncEngine` in this process, 16 `generate` streams started at once, the prompts
+  rendered by the same chat template.
+Each repeat uses a new system prompt on both sides, so the shared prefix is cold every time.
+Overhead = 1 - server tok/s / engine tok/s: the sessions layer, SQLite, JSON and WebSocket
+framing, and the client, which shares this machine's cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import live
+from bench.common import Context, median, target
+from bench.engine_runs import chat_prompts
+from bench.workload import chat_workload
+from chatcore.engine.engine import AsyncEngine
+from chatcore.engine.request import SamplingParams
+
+
+def sizes(ctx: Context) -> dict[str, int]:
+    if ctx.tiny:
+        return {"sessions": 4, "system": 60, "user": 24, "new_tokens": 4}
+    if ctx.quick:
+        return {"sessions": 16, "system": 300, "user": 100, "new_tokens": 32}
+    return {"sessions": 16, "system": 300, "user": 100, "new_tokens": 64}
+
+
+def _workload(ctx: Context, sz: dict[str, int], rep: int) -> tuple[str, list[str]]:
+    system, users = chat_workload(ctx.tokenizer, sz["sessions"], sz["system"], sz["user"], seed=1)
+    return f"Conversation batch {rep}. {system}", users
+
+
+async def _server_run(server: Any, system: str, users: list[str], new: int) -> dict[str, Any]:
+    sessions = await asyncio.gather(*[live.connect(server, system_prompt=system) for _ in users])
+    try:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*[s.turn(u, new) for s, u in zip(sessions, users, strict=True)])
+        wall = time.perf_counter() - t0
+    finally:
+        await asyncio.gather(*[s.ws.close() for s in sessions], return_exceptions=True)
+    tokens = sum(r.usage["completion_tokens"] for r in results)
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
+            "ttft_ms": median([r.server_ttft_ms for r in results]),
+            "client_ttft_ms": median([1e3 * r.client_ttft_s for r in results if r.client_ttft_s]),
+            "cached_tokens": sum(r.usage["cached_tokens"] for r in results)}
+
+
+async def _engine_run(engine: AsyncEngine, prompts: list[list[int]], new: int) -> dict[str, Any]:
+    params = SamplingParams(max_tokens=new, temperature=0.0)
+
+    async def one(prompt: list[int]) -> Any:
+        final = None
+        async for out in engine.generate(engine.make_request(prompt, params)):
+            if out.finished:
+                final = out
+        return final
+
+    t0 = time.perf_counter()
+    finals = await asyncio.gather(*[one(p) for p in prompts])
+    wall = time.perf_counter() - t0
+    tokens = sum(f.usage.completion_tokens for f in finals)
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
+            "ttft_ms": median([f.timings.ttft_ms for f in finals]),
+            "cached_tokens": sum(f.usage.cached_tokens for f in finals)}
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"tok_s": median([r["tok_s"] for r in runs]), "wall_s": median([r["wall_s"] for r in runs]),
+            "tokens": median([r["tokens"] for r in runs]), "ttft_ms": median([r["ttft_ms"] for r in runs]),
+            "runs": runs}
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    sz = sizes(ctx)
+    reps = ctx.repeats
+    new = sz["new_tokens"]
+    workloads = [_workload(ctx, sz, rep) for rep in range(reps + 1)]  # 0: warm-up
+
+    ctx.log("  in-process engine (AsyncEngine)")
+    engine = AsyncEngine.from_settings(ctx.engine_settings(kv_cache_gb=1.0), ctx.loaded)
+    try:
+        engine_runs = []
+        for rep, (system, users) in enumerate(workloads):
+            prompts = chat_prompts(ctx.tokenizer, system, users)
+            r = asyncio.run(_engine_run(engine, prompts if rep else prompts[:2], new if rep else 4))
+            if rep:
+                engine_runs.append(r)
+    finally:
+        engine.shutdown()
+
+    ctx.log("  WebSocket server")
+    root = Path(tempfile.mkdtemp(prefix="chatcore-bench-server-"))
+    try:
+        server = live.start(ctx, root, kv_disk_gb=0)
+        try:
+            server_runs = []
+            for rep, (system, users) in enumerate(workloads):
+                r = asyncio.run(_server_run(server, system, users if rep else users[:2], new if rep else 4))
+                if rep:
+                    server_runs.append(r)
+        finally:
+            server.stop()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    eng, srv = _summary(engine_runs), _summary(server_runs)
+    overhead = 1 - srv["tok_s"] / eng["tok_s"]
+    ctx.log(f"  engine {eng['tok_s']:.1f} tok/s, server {srv['tok_s']:.1f} tok/s: overhead {overhead:.1%}")
+    return {
+        "sizes": sz, "sessions": sz["sessions"], "repeats": reps, "engine": eng, "server": srv, "overhead": overhead,
+        "targets": [target("server overhead <= 10%", overhead * 100, "<=", 10.0,
+                           f"{srv['tok_s']:.1f} vs {eng['tok_s']:.1f} tok/s")],
+    }
