@@ -1,0 +1,93 @@
+"""The benchmark harness: the trace generator and cache replays (pure Python), and a tiny
+`chatcore bench --suite all --quick` end to end (CHATCORE_BENCH_TINY=1), so the harness keeps
+working. Timings at this size mean nothing; only the shape of the output is checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import hitrate, memory
+from bench.workload import TraceConfig, generate
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_trace_is_deterministic_and_shaped() -> None:
+    cfg = TraceConfig(num_sessions=60, seed=3)
+    a, b = generate(cfg), generate(cfg)
+    assert a.sessions == b.sessions and a.system_prompts == b.system_prompts
+    assert generate(TraceConfig(num_sessions=60, seed=4)).sessions != a.sessions
+    assert all(1 <= len(s.turns) <= cfg.max_turns for s in a.sessions)
+    events = a.events()
+    assert [(e.at, e.session, e.turn) for e in events] == sorted((e.at, e.session, e.turn) for e in events)
+    for s in a.sessions[:10]:  # each prompt extends the previous turn's prompt and answer (prefix-stable)
+        for t in range(1, len(s.turns)):
+            previous = a.prompt(s.index, t - 1) + list(s.turns[t - 1].answer)
+            assert a.prompt(s.index, t)[: len(previous)] == previous
+    summary = a.summary()
+    assert summary["system_prompt_sessions"][0] == max(summary["system_prompt_sessions"])  # Zipf: rank 1 most popular
+
+
+def test_hit_rate_replay_matches_oracle_at_full_size_and_policies_stay_consistent() -> None:
+    from chatcore.cache import audit
+
+    trace = generate(TraceConfig(num_sessions=25, seed=1))
+    oracle = hitrate.replay(trace, hitrate.unbounded(trace, 16), 16)
+    assert 0 < oracle["hit_rate"] < 1 and oracle["evictions"] == 0
+    full = oracle["peak_blocks"]
+    for policy in hitrate.POOLS:
+        assert hitrate.replay(trace, full, 16, policy)["hit_rate"] == pytest.approx(oracle["hit_rate"])
+        small = hitrate.replay(trace, max(120, full // 4), 16, policy)
+        assert small["hit_rate"] <= oracle["hit_rate"] and small["evictions"] > 0
+    # The cost-aware pool keeps the pool's invariants while it evicts.
+    pool = hitrate.CostAwarePool(64, 4, low_watermark=0.0, high_watermark=0.0)
+    from chatcore.cache import BlockTable, cache_salt
+
+    salt = cache_salt("m", 4, "bf16")
+    for i in range(40):
+        table = BlockTable(pool)
+        tokens = [1, 2, 3, 4] + [100 + i] * 20
+        table.append_slots(len(tokens))
+        table.commit(tokens, len(tokens), salt)
+        pool.note_chain(table, i)
+        table.release()
+        assert audit(pool).ok
+
+
+def test_memory_schemes_on_a_small_trace() -> None:
+    trace = generate(TraceConfig(num_sessions=30, seed=2))
+    max_len = max(trace.final_length(s.index) for s in trace.sessions)
+    waste = memory.live_waste(trace, 16, max_len)["time_averaged"]
+    assert waste["chatcore"]["waste_pct"] < 16 / 2 and waste["static"]["waste_pct"] > waste["chatcore"]["waste_pct"]
+    held = memory.sessions_held(trace, 16, 20_000, max_len)
+    assert held["chatcore"] >= held["paged_no_sharing"] >= held["static"]
+
+
+@pytest.mark.model
+def test_bench_all_quick_tiny(tmp_path: Path, default_model_dir: Path) -> None:
+    env = {**os.environ, "CHATCORE_BENCH_TINY": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-m", "chatcore.cli", "bench", "--suite", "all", "--quick",
+                           "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["machine"]["tiny"] and data["machine"]["cpu"] and data["machine"]["torch"]
+    suites = data["suites"]
+    assert set(suites) == {"throughput", "multiturn", "hitrate", "memory", "sharing", "resume", "server"}
+    for name, suite in suites.items():
+        assert "error" not in suite, (name, suite.get("error"))
+        assert suite["targets"], name
+        for t in suite["targets"]:
+            assert {"name", "value", "op", "threshold", "met"} <= set(t)
+        for plot in suite["plots"]:
+            assert (tmp_path / plot).stat().st_size > 1000
+    assert len(data["targets"]) == 11
+    table = (tmp_path / "table.md").read_text()
+    assert table.count("\n| ") >= 11
+    assert suites["throughput"]["systems"]["llama_cpp"]["skipped"]
+    assert suites["resume"]["rows"][0]["disk_cached_disk_tokens"] > 0
