@@ -27,11 +27,22 @@ def grace(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def idle(tmp_path_factory):
+    """Sessions go cold (out of memory) as soon as they are idle and unpinned."""
+    server = start_server(tmp_path_factory.mktemp("idle-server"), warm_idle_s=0, hot_window_s=0)
+    yield server
+    server.stop()
+
+
 @pytest.fixture(autouse=True)
-def audit_after(grace):
+def audit_after(request):
     yield
-    status, body = grace.get("/v1/admin/cache")
-    assert status == 200 and body["audit"]["ok"], body["audit"]
+    for name in ("grace", "idle"):
+        if name in request.fixturenames:
+            server = request.getfixturevalue(name)
+            status, body = server.get("/v1/admin/cache")
+            assert status == 200 and body["audit"]["ok"], body["audit"]
 
 
 async def hello(ws, **fields) -> dict:
@@ -165,3 +176,30 @@ async def test_an_http_session_stream_closed_early_is_cancelled_after_grace(grac
                        "used blocks to go back to 0")
     assert cache["audit"]["ok"], cache["audit"]
     assert grace.request("DELETE", f"/v1/sessions/{sid}")[0] == 204
+
+
+async def test_a_socket_whose_session_went_cold_keeps_using_the_one_session(idle) -> None:
+    """The socket stays attached while its idle session goes cold. Its next turn must run on the session
+    as the server now holds it, so that a request over HTTP sees that turn (busy), not a second copy."""
+    async with idle.connect() as ws:
+        session = await hello(ws)
+        sid = session["session_id"]
+        await ws.send(json.dumps({"type": "user", "id": "one", "content": "Say hello.",
+                                  "params": {"temperature": 0, "max_tokens": 2}}))
+        await recv_until(ws, "done")
+        await poll(lambda: [s for s in idle.get("/v1/sessions")[1] if s["id"] == sid and s["state"] == "cold"],
+                   "the session to go cold")
+        await ws.send(json.dumps({"type": "user", "id": "two", "content": STORY,
+                                  "params": {"temperature": 0, "max_tokens": 200}}))
+        await recv_until(ws, "token")
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        resp = await asyncio.to_thread(httpx.post, idle.base_url + "/v1/chat/completions", json=body,
+                                       headers={"X-Session-Id": sid}, timeout=120)
+        assert resp.status_code == 429 and resp.json()["error"]["code"] == "busy", resp.text
+        await ws.send(json.dumps({"type": "cancel"}))
+        done = (await recv_until(ws, "done"))[-1]
+        assert done["finish_reason"] == "cancelled"
+    history = idle.get(f"/v1/sessions/{sid}")[1]["history"]
+    assert [(m["role"], m.get("finish_reason")) for m in history][2:] == [("user", None), ("assistant", "cancelled")]
+    assert len(history) == 4
+    assert idle.request("DELETE", f"/v1/sessions/{sid}")[0] == 204

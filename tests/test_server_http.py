@@ -169,6 +169,18 @@ async def test_delete_releases_blocks_and_rows(live_server) -> None:
                            "not_found")
 
 
+async def test_a_socket_on_a_deleted_session_gets_not_found(live_server) -> None:
+    async with live_server.connect() as ws:
+        session = await hello(ws)
+        sid = session["session_id"]
+        await turn(ws, "Say yes.", {"temperature": 0, "max_tokens": 2})
+        assert live_server.request("DELETE", f"/v1/sessions/{sid}")[0] == 204
+        await expect_error(ws, {"type": "user", "id": "after", "content": "Hello?", "params": GREEDY}, "not_found")
+        await still_open(ws)
+    assert live_server.get(f"/v1/sessions/{sid}")[0] == 404
+    assert blocks_of(live_server, sid) == []
+
+
 # ----- bad input over HTTP: 4xx with a JSON error body, never 500 ---------------------------------
 
 MSG = [{"role": "user", "content": "hi"}]

@@ -207,6 +207,10 @@ class Connection:
         if not isinstance(content, str) or not content.strip():
             raise ApiError("bad_request", "'content' must be a non-empty string")
         params = sampling_params(frame.get("params"), self.services.settings)
+        # An idle session may have gone cold (dropped from memory) while this socket stayed attached:
+        # run the turn on the session's live state, never on the old object (that would fork the session).
+        state = await self.services.sessions.open(self.principal.tenant_id, state.id)
+        self.state = state
         previous = state.current
         if previous is not None and previous.client_id == client_id:
             self.follow(state, self.last_seq)  # a resent message: no second turn, just what was missed
