@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test stress chromium model bench clean
+.PHONY: setup serve test stress chromium services model bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,13 +27,24 @@ chromium:
 	  $$SUDO apt-get update && $$SUDO apt-get install -y --no-install-recommends chromium; \
 	fi
 
+# PostgreSQL and nginx for the store and cluster tests (Debian's packages; the tests find
+# PostgreSQL's binaries on PATH or in /usr/lib/postgresql/<version>/bin).
+services:
+	@if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then MISSING="nginx"; fi; \
+	if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
+	  MISSING="$$MISSING postgresql"; fi; \
+	if [ -n "$$MISSING" ]; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update && $$SUDO apt-get install -y --no-install-recommends $$MISSING; \
+	fi
+
 setup: $(STAMP) model
 
 serve: setup
 	$(VENV)/bin/chatcore migrate
 	$(VENV)/bin/chatcore serve
 
-test: setup chromium
+test: setup chromium services
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing on purpose"; exit 1; fi; \
 	exit $$rc

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from chatcore.config import Settings
@@ -266,8 +266,8 @@ class ClusterState:
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
 
     def to_json(self) -> str:
-        data = asdict(self)
-        data.pop("procs")
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "procs"}
+        data["replicas"] = [asdict(r) for r in self.replicas]
         return json.dumps(data, indent=2)
 
     @classmethod
@@ -303,6 +303,7 @@ def cluster_up(settings: Settings, replicas: int, *, port: int, postgres: bool =
     started: list[Replica] = []
     procs: dict[int, subprocess.Popen[bytes]] = {}
     kv_dir = settings.resolved_kv_disk_dir
+    nginx: subprocess.Popen[bytes] | None = None
     try:
         for i in range(replicas):
             replica, proc = start_replica(f"replica-{i + 1}", ports[i], base / f"replica-{i + 1}", database_url,
@@ -313,17 +314,20 @@ def cluster_up(settings: Settings, replicas: int, *, port: int, postgres: bool =
             proc = procs[replica.pid]
             wait_http(replica.url + "/healthz", startup_timeout_s, alive=lambda p=proc: p.poll() is None)
         nginx = start_nginx(base / "nginx", port, [f"127.0.0.1:{r.port}" for r in started])
+        procs[nginx.pid] = nginx
+        state = ClusterState(f"http://127.0.0.1:{port}", database_url, str(kv_dir), started, nginx.pid,
+                             str(base / "nginx"),
+                             {"root": str(pg.root), "port": pg.port, "bin_dir": str(pg.bin_dir)} if pg else None,
+                             procs)
+        state_path(settings.data_dir).write_text(state.to_json())
     except BaseException:
+        if nginx is not None:
+            stop_pid(nginx.pid, signal.SIGTERM, timeout_s=10, expect="nginx")
         for replica in started:
             stop_pid(replica.pid, signal.SIGKILL, expect="chatcore")
         if pg is not None:
             pg.stop()
         raise
-    procs[nginx.pid] = nginx
-    state = ClusterState(f"http://127.0.0.1:{port}", database_url, str(kv_dir), started, nginx.pid,
-                         str(base / "nginx"),
-                         {"root": str(pg.root), "port": pg.port, "bin_dir": str(pg.bin_dir)} if pg else None, procs)
-    state_path(settings.data_dir).write_text(state.to_json())
     return state
 
 
