@@ -49,6 +49,55 @@ def _gather_blocks(cache: torch.Tensor, table: torch.Tensor, slot: int, reuse: b
     return torch.index_select(cache, 0, table, out=_buffers.take(slot, cache, table.numel()))
 
 
+class _StepPlan(threading.local):
+    """The masks and tables of the last call, reused while the same tensors come back.
+
+    The engine calls the decode attention once per layer with the same block table and
+    context lengths; their derived tensors are built once. The plan holds the two input
+    tensors themselves (not their ids), so a new tensor can never be mistaken for them, and
+    checks their version counters, so an in-place change is noticed.
+    """
+
+    def __init__(self) -> None:
+        self.inputs: tuple[torch.Tensor, torch.Tensor, int, int, int] | None = None
+        self.plan: dict[str, object] = {}
+
+    def get(self, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> dict[str, object]:
+        last = self.inputs
+        if (last is None or last[0] is not block_tables or last[1] is not context_lens or last[2] != block_size
+                or last[3] != block_tables._version or last[4] != context_lens._version):
+            self.plan = _make_plan(block_tables, context_lens, block_size)
+            self.inputs = (block_tables, context_lens, block_size, block_tables._version, context_lens._version)
+        return self.plan
+
+
+_plans = _StepPlan()
+MIN_SHARED_BLOCKS = 2
+
+
+def _make_plan(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> dict[str, object]:
+    num_seqs = block_tables.shape[0]
+    max_len = int(context_lens.max()) if num_seqs else 0
+    num_blocks = -(-max_len // block_size)
+    shared = 0
+    if num_seqs > 1 and max_len and block_tables.device.type == "cpu":
+        full = min(int(context_lens.min()) // block_size, num_blocks)
+        head = block_tables[:, :full]
+        same = (head == head[0]).all(dim=0)
+        shared = full if bool(same.all()) else int(same.to(torch.int8).argmin())
+        # The shared part must leave every sequence at least one token in its own tail.
+        shared = min(shared, (int(context_lens.min()) - 1) // block_size)
+        if shared < MIN_SHARED_BLOCKS:
+            shared = 0
+    start = shared * block_size
+    span = (num_blocks - shared) * block_size
+    positions = torch.arange(span, device=block_tables.device) + start
+    valid = positions < context_lens[:, None]  # [S, span] over the unshared blocks
+    table = block_tables[:, shared:num_blocks].long().masked_fill(~valid[:, ::block_size], 0).flatten()
+    return {"max_len": max_len, "num_blocks": num_blocks, "shared": shared, "span": span, "valid": valid,
+            "table": table, "shared_table": block_tables[0, :shared].long()}
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -70,28 +119,52 @@ def paged_decode_attention(
     0 standing in for padding) must hold finite values, which a zero-initialised pool that
     only ever receives real keys and values guarantees: a NaN there would leak through the
     masked matmul. The Triton kernel does not read those slots at all.
+
+    When every sequence starts with the same blocks (a shared system prompt, on CPU), those
+    are gathered once and attended by all queries as one problem; the per-sequence tails are
+    attended separately, and the two softmaxes are merged through their log-sum-exps.
     """
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    max_len = int(context_lens.max()) if num_seqs else 0
-    if max_len == 0:
+    plan = _plans.get(block_tables, context_lens, block_size)
+    if plan["max_len"] == 0:
         return torch.zeros_like(query)
-    num_blocks = -(-max_len // block_size)
-    span = num_blocks * block_size
-
-    positions = torch.arange(span, device=query.device)
-    valid = positions < context_lens[:, None]  # [S, span]
-    table = block_tables[:, :num_blocks].long().masked_fill(~valid[:, ::block_size], 0).flatten()
-
+    span = int(plan["span"])  # type: ignore[call-overload]
+    valid: torch.Tensor = plan["valid"]  # type: ignore[assignment]
     reuse = query.device.type == "cpu" and not (torch.is_grad_enabled() and query.requires_grad)
-    # [S * num_blocks, block_size, KVH, D] -> [S, KVH, span, D] as a view (no copy).
+    # [S * blocks, block_size, KVH, D] -> [S, KVH, span, D] as a view (no copy).
     shape = (num_seqs, span, num_kv_heads, head_dim)
-    keys = _gather_blocks(key_cache, table, 0, reuse).view(shape).transpose(1, 2)
-    values = _gather_blocks(value_cache, table, 1, reuse).view(shape).transpose(1, 2)
+    keys = _gather_blocks(key_cache, plan["table"], 0, reuse).view(shape).transpose(1, 2)  # type: ignore[arg-type]
+    values = _gather_blocks(value_cache, plan["table"], 1, reuse).view(shape).transpose(1, 2)  # type: ignore[arg-type]
     # GQA: the query heads sharing a kv head become the rows of one attention problem.
     grouped = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=valid[:, None, None, :], scale=scale)
-    return out.reshape(num_seqs, num_heads, head_dim)
+    if not plan["shared"]:
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=valid[:, None, None, :], scale=scale)
+        return out.reshape(num_seqs, num_heads, head_dim)
+    return _cascade(grouped, key_cache, value_cache, keys, values, plan, scale).reshape(num_seqs, num_heads, head_dim)
+
+
+def _cascade(grouped: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, keys: torch.Tensor,
+             values: torch.Tensor, plan: dict[str, object], scale: float) -> torch.Tensor:
+    """Shared-prefix attention: one problem for the common blocks, one per sequence for the rest."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    num_seqs, num_kv_heads, group, head_dim = grouped.shape
+    shared_table: torch.Tensor = plan["shared_table"]  # type: ignore[assignment]
+    length = shared_table.numel() * key_cache.shape[1]
+    shared_k = key_cache.index_select(0, shared_table).view(length, num_kv_heads, head_dim).transpose(0, 1)
+    shared_v = value_cache.index_select(0, shared_table).view(length, num_kv_heads, head_dim).transpose(0, 1)
+    rows = grouped.permute(1, 0, 2, 3).reshape(1, num_kv_heads, num_seqs * group, head_dim)
+    head_out, head_lse = flash(rows, shared_k.unsqueeze(0), shared_v.unsqueeze(0), scale=scale)
+    head_out = head_out.view(num_kv_heads, num_seqs, group, head_dim).permute(1, 0, 2, 3)
+    head_lse = head_lse.view(num_kv_heads, num_seqs, group).permute(1, 0, 2)
+    valid: torch.Tensor = plan["valid"]  # type: ignore[assignment]
+    mask = torch.zeros(valid.shape, dtype=grouped.dtype).masked_fill_(~valid, float("-inf"))
+    tail_out, tail_lse = flash(grouped, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
+    top = torch.maximum(head_lse, tail_lse)
+    head_w = torch.exp(head_lse - top).unsqueeze(-1)
+    tail_w = torch.exp(tail_lse - top).unsqueeze(-1)
+    merged = (head_out.float() * head_w + torch.nan_to_num(tail_out.float()) * tail_w) / (head_w + tail_w)
+    return merged.to(grouped.dtype)
 
 
 def store_kv(
