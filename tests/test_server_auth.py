@@ -122,6 +122,11 @@ def test_every_protected_route_needs_a_valid_key(keyed) -> None:
         for headers in wrong:
             assert_error(call(keyed, method, path, body, headers), 401, "unauthorized")
         assert_error(call(keyed, method, path + "?api_key=cc-not-a-real-key", body), 401, "unauthorized")
+    # The key is checked before the body is read: a bad or oversized body without a key is still 401.
+    for path in ("/v1/chat/completions", "/v1/sessions"):
+        for body in (b"{bad json", b"[1]", b"x" * (2 << 20)):
+            resp = httpx.post(keyed.base_url + path, content=body, headers={"Content-Type": "application/json"})
+            assert_error(resp, 401, "unauthorized")
     # Nothing happened to the session.
     resp = call(keyed, "GET", f"/v1/sessions/{sid}", headers=bearer(keyed.keys["alpha"]))
     assert resp.status_code == 200 and resp.json()["title"] == "alpha's"

@@ -63,18 +63,21 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> Litesta
         route_handlers=[
             index,
             create_static_files_router("/static", directories=[WEB_DIR], include_in_schema=False),
-            chat_socket,
-            openai_routes.chat_completions,
-            openai_routes.list_models,
-            session_routes.list_sessions,
-            session_routes.create_session,
-            session_routes.get_session,
-            session_routes.rename_session,
-            session_routes.rotate_token,
-            session_routes.delete_session,
+            chat_socket,  # authenticates after the upgrade, to answer with an error frame
+            # The key is checked by a guard, before a body is read or validated.
+            Router("/", guards=[_require_key], route_handlers=[
+                openai_routes.chat_completions,
+                openai_routes.list_models,
+                session_routes.list_sessions,
+                session_routes.create_session,
+                session_routes.get_session,
+                session_routes.rename_session,
+                session_routes.rotate_token,
+                session_routes.delete_session,
+                ops_routes.admin_cache,
+            ]),
             ops_routes.healthz,
             ops_routes.metrics,
-            ops_routes.admin_cache,
         ],
         lifespan=[lifespan],
         exception_handlers={

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any, cast
 
 from litestar.connection import ASGIConnection
 
@@ -17,6 +18,7 @@ from chatcore.server.services import Services
 from chatcore.store.repos import Repos
 
 OPEN_MODE_RECHECK_S = 2.0
+SCOPE_KEY = "chatcore.principal"
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,14 @@ class Authenticator:
         return self._open
 
     async def principal(self, connection: ASGIConnection) -> Principal:
+        """The caller; looked up once per request (the route guard's answer is kept in the scope)."""
+        scope = cast("dict[str, Any]", connection.scope)
+        found = scope.get(SCOPE_KEY)
+        if not isinstance(found, Principal):
+            found = scope[SCOPE_KEY] = await self._lookup(connection)
+        return found
+
+    async def _lookup(self, connection: ASGIConnection) -> Principal:
         if await self.open_mode():
             return Principal(self.services.local_tenant_id, "local", True)
         key = _bearer(connection.headers.get("authorization")) or connection.query_params.get("api_key")
