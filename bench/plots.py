@@ -66,9 +66,12 @@ def _plot_multiturn(r: dict[str, Any], out: Path) -> list[str]:
 def _plot_hitrate(r: dict[str, Any], out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     fractions = [row["cache_fraction"] for row in r["rows"]]
-    for policy, style in (("lru", "o-"), ("cost_aware", "s--")):
-        ax.plot([f * 100 for f in fractions], [row[policy]["of_oracle"] * 100 for row in r["rows"]], style,
-                label=policy.replace("_", "-"))
+    labels = {"lru": "LRU (the pool today)", "cost_aware": "cost-aware (GreedyDual, cost = tokens x sharers)",
+              "gd_flops": "GreedyDual, cost = recompute FLOPs at depth"}
+    for policy, style in (("lru", "o-"), ("cost_aware", "s--"), ("gd_flops", "^:")):
+        if policy in r["rows"][0]:
+            ax.plot([f * 100 for f in fractions], [row[policy]["of_oracle"] * 100 for row in r["rows"]], style,
+                    label=labels[policy])
     ax.set_xlabel("cache size (% of the working set)")
     ax.set_ylabel("token hit rate (% of the oracle's)")
     ax.set_title(f"prefix-cache hit rate on the trace (oracle: {r['oracle_hit_rate'] * 100:.1f}% of prompt tokens)")
@@ -81,10 +84,12 @@ def _plot_hitrate(r: dict[str, Any], out: Path) -> list[str]:
 def _plot_memory(r: dict[str, Any], out: Path) -> list[str]:
     schemes = list(r["schemes"])
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.bar(schemes, [r["schemes"][s]["waste_pct"] for s in schemes], color=["tab:green", "tab:blue", "tab:gray"])
+    bars = a.bar(schemes, [r["schemes"][s]["waste_pct"] for s in schemes], color=["tab:green", "tab:blue", "tab:gray"])
+    a.bar_label(bars, fmt="%.2f%%")
     a.set_ylabel("KV waste (% of reserved slots empty)")
     a.set_yscale("log")
-    b.bar(schemes, [r["schemes"][s]["sessions_held"] for s in schemes], color=["tab:green", "tab:blue", "tab:gray"])
+    bars = b.bar(schemes, [r["schemes"][s]["sessions_held"] for s in schemes], color=["tab:green", "tab:blue", "tab:gray"])
+    b.bar_label(bars)
     b.set_ylabel(f"sessions held in {r['budget_tokens']:,} token slots")
     for ax in (a, b):
         ax.tick_params(axis="x", labelsize=8)

@@ -7,11 +7,12 @@ Real `chatcore serve` processes sharing one data directory (one SQLite database,
    messages and short greedy answers until the history reaches the target. The disk tier
    writes every turn's full blocks in the background; A is stopped with SIGTERM, which waits
    for those writes, and the kv dir is checked for block files.
-2. Server B (disk tier on) starts with an empty KV pool. After one warm-up turn in an unrelated
-   session (first-forward costs are not the disk tier's), it resumes the disk-mode sessions
-   one at a time: hello with the session id and resume token, then a short new turn.
-3. Server C (disk tier off, CHATCORE_KV_DISK_GB=0) does the same for the recompute sessions:
-   the whole history is prefilled again.
+2. Server B (disk tier on, the same data directory) and server C (disk tier off,
+   CHATCORE_KV_DISK_GB=0, a copy of the database and no kv dir) start with empty KV pools.
+   After one warm-up turn each in an unrelated session (first-forward costs are not the disk
+   tier's), they take turns resuming sessions one at a time, B the disk-mode ones and C the
+   recompute ones (whose whole history is prefilled again): hello with the session id and
+   resume token, then a short new turn.
 TTFT is the server's `done.timing.ttft_ms` (the engine's arrival-to-first-token, including the
 disk read); `done.usage.cached_disk_tokens` shows what came from disk. The client-side TTFT
 (user frame sent to first token frame) is recorded too.
@@ -104,21 +105,27 @@ def run(ctx: Context) -> dict[str, Any]:
         if files == 0:
             raise RuntimeError("the disk tier wrote no block files before the restart")
 
+        # B resumes from the disk tier; C gets a copy of the database only (no kv dir) and the disk
+        # tier off. Both run at once and take turns, so a load change hits both modes alike.
+        root_c = Path(tempfile.mkdtemp(prefix="chatcore-bench-resume-c-"))
+        for db in root.glob("chatcore.db*"):
+            shutil.copy(db, root_c / db.name)
         resumed: dict[str, list[tuple[int, dict]]] = {"disk": [], "recompute": []}
-        for mode, disk_gb in (("disk", 2), ("recompute", 0)):
-            ctx.log(f"  server {'B' if mode == 'disk' else 'C'}: resuming with {mode}")
-            server = live.start(ctx, root, kv_disk_gb=disk_gb)
-            try:
+        ctx.log("  servers B (disk tier) and C (recompute): resuming, alternately")
+        servers = {"disk": live.start(ctx, root, kv_disk_gb=2)}
+        try:
+            servers["recompute"] = live.start(ctx, root_c, kv_disk_gb=0)
+            for server in servers.values():
                 asyncio.run(_warm(server, tok))
-                for (length, _, m), b in zip(plan, built, strict=True):
-                    if m != mode:
-                        continue
-                    content = text_of_tokens(tok, rng, 20, prefix="One more question:")
-                    r = asyncio.run(_resume(server, b, content))
-                    r["history_tokens"] = b["history_tokens"]
-                    resumed[mode].append((length, r))
-            finally:
+            for (length, _, mode), b in zip(plan, built, strict=True):
+                content = text_of_tokens(tok, rng, 20, prefix="One more question:")
+                r = asyncio.run(_resume(servers[mode], b, content))
+                r["history_tokens"] = b["history_tokens"]
+                resumed[mode].append((length, r))
+        finally:
+            for server in servers.values():
                 server.stop()
+            shutil.rmtree(root_c, ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -89,35 +89,32 @@ def run(ctx: Context) -> dict[str, Any]:
     new = sz["new_tokens"]
     workloads = [_workload(ctx, sz, rep) for rep in range(reps + 1)]  # 0: warm-up
 
-    ctx.log("  in-process engine (AsyncEngine)")
+    root = Path(tempfile.mkdtemp(prefix="chatcore-bench-server-"))
+    engine_runs: list[dict[str, Any]] = []
+    server_runs: list[dict[str, Any]] = []
+    server = live.start(ctx, root, kv_disk_gb=0)
     engine = AsyncEngine.from_settings(ctx.engine_settings(kv_cache_gb=1.0), ctx.loaded)
     try:
-        engine_runs = []
+        # Repeat 0 is a short warm-up of both; then the two alternate, so load drifts hit both.
         for rep, (system, users) in enumerate(workloads):
-            prompts = chat_prompts(ctx.tokenizer, system, users)
-            r = asyncio.run(_engine_run(engine, prompts if rep else prompts[:2], new if rep else 4))
+            count, tokens = (len(users), new) if rep else (2, 4)
             if rep:
-                engine_runs.append(r)
+                ctx.log(f"  repeat {rep}/{reps}: in-process AsyncEngine, then the WebSocket server "
+                        f"({count} sessions x {tokens} tokens)")
+            prompts = chat_prompts(ctx.tokenizer, system, users[:count])
+            e = asyncio.run(_engine_run(engine, prompts, tokens))
+            s = asyncio.run(_server_run(server, system, users[:count], tokens))
+            if rep:
+                engine_runs.append(e)
+                server_runs.append(s)
     finally:
         engine.shutdown()
-
-    ctx.log("  WebSocket server")
-    root = Path(tempfile.mkdtemp(prefix="chatcore-bench-server-"))
-    try:
-        server = live.start(ctx, root, kv_disk_gb=0)
-        try:
-            server_runs = []
-            for rep, (system, users) in enumerate(workloads):
-                r = asyncio.run(_server_run(server, system, users if rep else users[:2], new if rep else 4))
-                if rep:
-                    server_runs.append(r)
-        finally:
-            server.stop()
-    finally:
+        server.stop()
         shutil.rmtree(root, ignore_errors=True)
 
     eng, srv = _summary(engine_runs), _summary(server_runs)
-    overhead = 1 - srv["tok_s"] / eng["tok_s"]
+    # The median over repeats of the within-repeat overhead.
+    overhead = median([1 - s["tok_s"] / e["tok_s"] for e, s in zip(engine_runs, server_runs, strict=True)])
     ctx.log(f"  engine {eng['tok_s']:.1f} tok/s, server {srv['tok_s']:.1f} tok/s: overhead {overhead:.1%}")
     return {
         "sizes": sz, "sessions": sz["sessions"], "repeats": reps, "engine": eng, "server": srv, "overhead": overhead,
