@@ -1,0 +1,310 @@
+"""Replicas behind nginx, for real: a throw-away PostgreSQL, Debian's nginx and three `chatcore serve`
+processes on loopback, started by `chatcore.cluster.cluster_up` (what `chatcore cluster up` runs).
+
+What is checked: new sessions spread over the replicas and then stick to the one that made them
+(WebSocket, OpenAI route and sessions REST alike); a session's second turn hits the prefix cache
+of its replica; a replica never serves a session another replica owns (`conflict`); and when a
+replica is SIGKILLed, its sessions resume on the others with every completed turn, the turn in
+flight ending `disconnected`, and their history's KV read from the shared disk tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import websockets
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.pool import NullPool
+
+from chatcore.cluster import ClusterState, cluster_down, cluster_up, free_port, nginx_binary, pg_bin_dir
+from chatcore.config import Settings
+from chatcore.store.db import create_sessionmaker
+from chatcore.store.models import ChatSession, KvBlock, SessionChain
+from chatcore.store.packing import unpack_hashes, unpack_ids
+from tests.server_helpers import recv_until
+
+pytestmark = [
+    pytest.mark.model,
+    pytest.mark.skipif(pg_bin_dir() is None or nginx_binary() is None,
+                       reason="needs PostgreSQL and nginx (make services)"),
+]
+LEASE_S = 3.0
+SHORT = {"temperature": 0, "max_tokens": 12}
+LONG = {"temperature": 0, "max_tokens": 2000}
+QUESTIONS = ["Name three colours of the rainbow.", "Which of them is the warmest?"]
+NAMES = ["Ada", "Grace", "Alan", "Edsger", "Barbara", "Donald"]
+COUNTING = "Continue the sequence forever: 1, 2, 3, 4, 5,"  # a long greedy answer: a turn that keeps running
+
+
+# ----- the cluster -------------------------------------------------------------------------------
+class Cluster:
+    def __init__(self, state: ClusterState, settings: Settings) -> None:
+        self.state = state
+        self.settings = settings
+        self.db = create_async_engine(state.database_url, poolclass=NullPool)  # any event loop may use it
+        self.sessionmaker = create_sessionmaker(self.db)
+        self.by_port = {r.port: r.id for r in state.replicas}
+        self.killed: set[str] = set()
+
+    @property
+    def ws_url(self) -> str:
+        return self.state.url.replace("http://", "ws://") + "/v1/ws"
+
+    def replica(self, replica_id: str):  # type: ignore[no-untyped-def]
+        return next(r for r in self.state.replicas if r.id == replica_id)
+
+    def served_by(self, upstream: str | None) -> str:
+        """The replica that answered, from nginx's `X-Chatcore-Upstream` (the last address tried)."""
+        assert upstream, "nginx did not say which replica answered"
+        return self.by_port[int(upstream.split(",")[-1].strip().rsplit(":", 1)[1])]
+
+    def http(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
+             base: str | None = None) -> tuple[int, Any, str | None]:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request((base or self.state.url) + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                raw, status, upstream = resp.read(), resp.status, resp.headers.get("X-Chatcore-Upstream")
+        except urllib.error.HTTPError as err:
+            raw, status, upstream = err.read(), err.code, err.headers.get("X-Chatcore-Upstream")
+        return status, json.loads(raw) if raw else None, upstream
+
+    def connect(self, session_id: str | None = None, url: str | None = None) -> Any:
+        query = f"?session_id={session_id}" if session_id else ""
+        return websockets.connect((url or self.ws_url) + query, max_size=None, open_timeout=30)
+
+    async def owner(self, session_id: str) -> str | None:
+        async with self.sessionmaker() as db:
+            return await db.scalar(select(ChatSession.owner_replica).where(ChatSession.id == session_id))
+
+    async def on_disk(self, session_id: str) -> tuple[int, int]:
+        """(full blocks of the session's history whose KV was computed, how many of those the
+        disk tier has indexed). The last answer token and the end-of-turn tokens (`<|im_end|>`,
+        `\\n`) close the history without their KV having been computed."""
+        async with self.sessionmaker() as db:
+            chain = await db.get(SessionChain, session_id)
+            if chain is None:
+                return 0, 0
+            computed = (len(unpack_ids(chain.token_ids)) - 3) // chain.block_size
+            hashes = [h.hex() for h in unpack_hashes(chain.block_hashes)][:computed]
+            indexed = set(await db.scalars(select(KvBlock.hash).where(KvBlock.hash.in_(hashes)))) if hashes else set()
+        return len(hashes), len(indexed)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path):  # type: ignore[no-untyped-def]
+    data = tmp_path_factory.mktemp("cluster") / "data"
+    settings = Settings(data_dir=data)
+    pg_dir = Path(tempfile.mkdtemp(prefix="chatcore-pg-"))  # PostgreSQL's user must be able to enter it
+    env = {"CHATCORE_KV_CACHE_GB": "0.1", "CHATCORE_KV_DISK_GB": "1", "CHATCORE_LEASE_S": str(LEASE_S),
+           "CHATCORE_THREADS": "1", "CHATCORE_HOT_WINDOW_S": "120", "CHATCORE_MAX_TOKENS_LIMIT": "2048"}
+    started = time.monotonic()
+    state = cluster_up(settings, 3, port=free_port(), postgres=True, replica_ports=[free_port() for _ in range(3)],
+                       env=env, throwaway_postgres_dir=pg_dir)
+    print(f"\ncluster of 3 replicas up in {time.monotonic() - started:.1f} s")
+    c = Cluster(state, settings)
+    try:
+        yield c
+    finally:
+        asyncio.run(c.db.dispose())
+        cluster_down(settings)
+        shutil.rmtree(pg_dir, ignore_errors=True)
+
+
+async def _hello(ws: Any, session_id: str | None = None, token: str | None = None,
+                 last_seq: int | None = None) -> dict[str, Any]:
+    await ws.send(json.dumps({"type": "hello", "session_id": session_id, "resume_token": token,
+                              "last_seq": last_seq}))
+    return json.loads(await asyncio.wait_for(ws.recv(), 60))
+
+
+async def _turn(ws: Any, content: str, client_id: str, params: dict[str, Any] = SHORT) -> dict[str, Any]:
+    await ws.send(json.dumps({"type": "user", "id": client_id, "content": content, "params": params}))
+    frames = await recv_until(ws, "done")
+    errors = [f for f in frames if f["type"] == "error"]
+    assert not errors, errors
+    return frames[-1]
+
+
+def _upstream(ws: Any) -> str | None:
+    return ws.response.headers.get("X-Chatcore-Upstream")
+
+
+async def _until(condition: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)  # polling a condition with a deadline
+
+
+# ----- the tests -------------------------------------------------------------------------------
+def test_new_sessions_spread_then_stick(cluster: Cluster) -> None:
+    """POST /v1/sessions has no session yet: nginx spreads them. Every later request naming the
+    session, in the path, in X-Session-Id or in ?session_id=, reaches the replica that made it."""
+    made: dict[str, str] = {}
+    for _ in range(60):
+        status, body, upstream = cluster.http("POST", "/v1/sessions", {"title": "spread"})
+        assert status == 201, body
+        made[body["id"]] = cluster.served_by(upstream)
+    spread = Counter(made.values())
+    print(f"60 new sessions per replica: {dict(spread)}")
+    assert set(spread) == {r.id for r in cluster.state.replicas}
+    assert min(spread.values()) >= 6, spread  # 20 each on average
+    for sid, replica in made.items():
+        assert asyncio.run(cluster.owner(sid)) == replica
+        status, _, upstream = cluster.http("GET", f"/v1/sessions/{sid}")
+        assert status == 200 and cluster.served_by(upstream) == replica
+        status, _, upstream = cluster.http("GET", f"/healthz?session_id={sid}")
+        assert status == 200 and cluster.served_by(upstream) == replica
+    for sid, replica in list(made.items())[:5]:
+        status, body, upstream = cluster.http("POST", "/v1/chat/completions",
+                                              {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                                               "temperature": 0}, headers={"X-Session-Id": sid})
+        assert status == 200, body
+        assert cluster.served_by(upstream) == replica
+    for sid, replica in made.items():
+        status, _, upstream = cluster.http("DELETE", f"/v1/sessions/{sid}")
+        assert status == 204 and cluster.served_by(upstream) == replica
+
+
+async def test_affinity_prefix_hits_and_single_owner(cluster: Cluster) -> None:
+    """A WebSocket session keeps reaching its replica across reconnects, its second turn reuses
+    the first's KV there, and another replica asked directly refuses it with `conflict`."""
+    sessions = []
+    for i in range(3):
+        async with cluster.connect() as ws:
+            hello = await _hello(ws)
+            replica = cluster.served_by(_upstream(ws))
+            first = await _turn(ws, QUESTIONS[0], "q0")
+        assert await cluster.owner(hello["session_id"]) == replica
+        sessions.append((hello, replica, first))
+    for hello, replica, first in sessions:
+        async with cluster.connect(hello["session_id"]) as ws:
+            resumed = await _hello(ws, hello["session_id"], hello["resume_token"])
+            assert cluster.served_by(_upstream(ws)) == replica
+            assert [m["role"] for m in resumed["history"]] == ["user", "assistant"]
+            second = await _turn(ws, QUESTIONS[1], "q1")
+        history = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
+        assert second["usage"]["cached_device_tokens"] >= (history - 1) // 16 * 16, second["usage"]
+        assert second["usage"]["cached_disk_tokens"] == 0
+        assert await cluster.owner(hello["session_id"]) == replica
+
+    # While a turn runs on its owner, another replica asked directly (past nginx) says conflict.
+    async with cluster.connect() as ws:
+        hello = await _hello(ws)
+        owner = cluster.served_by(_upstream(ws))
+        await ws.send(json.dumps({"type": "user", "id": "long", "content": COUNTING, "params": LONG}))
+        await recv_until(ws, "token")
+        other = next(r for r in cluster.state.replicas if r.id != owner)
+        direct = other.url.replace("http://", "ws://") + "/v1/ws"
+        async with cluster.connect(hello["session_id"], url=direct) as intruder:
+            answer = await _hello(intruder, hello["session_id"], hello["resume_token"])
+            assert answer["type"] == "error" and answer["code"] == "conflict", answer
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                await asyncio.wait_for(intruder.recv(), 30)
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 4409
+        status, body, _ = cluster.http("POST", "/v1/chat/completions",
+                                       {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+                                       headers={"X-Session-Id": hello["session_id"]}, base=other.url)
+        assert status == 409 and body["error"]["code"] == "conflict", body
+        assert await cluster.owner(hello["session_id"]) == owner
+        await ws.send(json.dumps({"type": "cancel"}))
+        done = (await recv_until(ws, "done"))[-1]
+        assert done["finish_reason"] == "cancelled"  # it ran all along
+
+
+async def test_failover_resumes_from_the_shared_disk_tier(cluster: Cluster) -> None:
+    """SIGKILL the replica owning the most sessions: each of its sessions resumes on another
+    replica with every completed turn, the interrupted one ends `disconnected`, and the history's
+    KV comes from the shared disk tier, not from recomputation."""
+    sessions: dict[str, dict[str, Any]] = {}
+    for name in NAMES:
+        # A history of its own (past the default system prompt, which every replica's pool has).
+        questions = [f"My name is {name}. {QUESTIONS[0]}", QUESTIONS[1]]
+        async with cluster.connect() as ws:
+            hello = await _hello(ws)
+            sid = hello["session_id"]
+            replica = cluster.served_by(_upstream(ws))
+            dones = [await _turn(ws, q, f"q{n}") for n, q in enumerate(questions)]
+        sessions[sid] = {"hello": hello, "replica": replica, "dones": dones}
+    victim = Counter(s["replica"] for s in sessions.values()).most_common(1)[0][0]
+    moved = [sid for sid, s in sessions.items() if s["replica"] == victim]
+    stayed = [sid for sid in sessions if sid not in moved]
+
+    async def all_on_disk() -> bool:
+        counts = [await cluster.on_disk(sid) for sid in moved]
+        return all(blocks > 0 and indexed == blocks for blocks, indexed in counts)
+
+    await _until(all_on_disk, 60, "the disk tier to index the victim's sessions")
+
+    # A turn is running on the victim when it dies.
+    flying = moved[0]
+    hello = sessions[flying]["hello"]
+    ws = await cluster.connect(flying)
+    await _hello(ws, flying, hello["resume_token"])
+    await ws.send(json.dumps({"type": "user", "id": "story", "content": COUNTING, "params": LONG}))
+    frames = await recv_until(ws, "token")
+    last_seq = max(f["seq"] for f in frames if "seq" in f)
+    os.kill(cluster.replica(victim).pid, signal.SIGKILL)
+    cluster.killed.add(victim)
+    with pytest.raises(websockets.ConnectionClosed):
+        async with asyncio.timeout(30):
+            while True:
+                await ws.recv()
+
+    resumed_ttft = []
+    for sid in moved:
+        s = sessions[sid]
+        started = time.monotonic()
+        async with cluster.connect(sid) as ws:
+            back = await _hello(ws, sid, s["hello"]["resume_token"], last_seq if sid == flying else None)
+            reconnect_s = time.monotonic() - started
+            assert back["type"] == "session", back
+            new_owner = cluster.served_by(_upstream(ws))
+            assert new_owner != victim
+            answers = [m["content"] for m in back["history"] if m["role"] == "assistant"]
+            assert len(answers) == 2 and all(answers), back["history"]  # no completed turn lost
+            if sid == flying:
+                done = json.loads(await asyncio.wait_for(ws.recv(), 30))
+                assert done["type"] == "done" and done["finish_reason"] == "disconnected", done
+                assert done["seq"] > last_seq
+            third = await _turn(ws, "Answer in one word: which colour is the sky?", "q-after")
+        usage = s["dones"][-1]["usage"]
+        history = usage["prompt_tokens"] + usage["completion_tokens"]
+        got = third["usage"]
+        assert got["cached_disk_tokens"] > 0, got
+        assert got["cached_tokens"] >= (history - 1) // 16 * 16, (got, history)
+        assert await cluster.owner(sid) == new_owner
+        resumed_ttft.append((got["cached_disk_tokens"], got["recomputed_tokens"], third["timing"]["ttft_ms"]))
+        print(f"session {sid[:8]} moved {victim} -> {new_owner} (hello after {reconnect_s:.2f} s): "
+              f"prompt {got['prompt_tokens']}, from disk {got['cached_disk_tokens']}, "
+              f"from the pool {got['cached_device_tokens']}, recomputed {got['recomputed_tokens']}, "
+              f"TTFT {third['timing']['ttft_ms']:.0f} ms")
+    status, detail, _ = cluster.http("GET", f"/v1/sessions/{flying}")
+    assert status == 200 and detail["history"][5]["finish_reason"] == "interrupted"
+
+    # The survivors' own sessions did not move, and still hit their replica's pool.
+    for sid in stayed:
+        s = sessions[sid]
+        async with cluster.connect(sid) as ws:
+            await _hello(ws, sid, s["hello"]["resume_token"])
+            assert cluster.served_by(_upstream(ws)) == s["replica"]
+            third = await _turn(ws, "And the coldest?", "q-after")
+        assert third["usage"]["cached_device_tokens"] > 0
+        assert await cluster.owner(sid) == s["replica"]
+    print(f"failover: {len(moved)} session(s) moved off {victim}, 0 completed turns lost, "
+          f"{len(stayed)} stayed put")
