@@ -71,6 +71,9 @@ async def _engine_run(engine: AsyncEngine, prompts: list[list[int]], new: int) -
     t0 = time.perf_counter()
     finals = await asyncio.gather(*[one(p) for p in prompts])
     wall = time.perf_counter() - t0
+    errors = [f.error for f in finals if f is None or f.error]
+    if errors:
+        raise RuntimeError(f"in-process engine run failed: {errors[:2]}")
     tokens = sum(f.usage.completion_tokens for f in finals)
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
             "ttft_ms": median([f.timings.ttft_ms for f in finals]),
