@@ -66,15 +66,16 @@ def _plot_multiturn(r: dict[str, Any], out: Path) -> list[str]:
 def _plot_hitrate(r: dict[str, Any], out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     fractions = [row["cache_fraction"] for row in r["rows"]]
-    labels = {"lru": "LRU (the pool today)", "cost_aware": "cost-aware (GreedyDual, cost = tokens x sharers)",
-              "gd_flops": "GreedyDual, cost = recompute FLOPs at depth"}
-    for policy, style in (("lru", "o-"), ("cost_aware", "s--"), ("gd_flops", "^:")):
+    labels = {"lru": "LRU", "pool_cost": "pool's cost policy (fewest hits of 16 LRU; default)",
+              "cost_aware": "GreedyDual over leaves, cost = tokens x sharers", "gd_flops": "GreedyDual, cost = FLOPs at depth"}
+    for policy, style in (("lru", "o-"), ("pool_cost", "d-."), ("cost_aware", "s--"), ("gd_flops", "^:")):
         if policy in r["rows"][0]:
             ax.plot([f * 100 for f in fractions], [row[policy]["of_oracle"] * 100 for row in r["rows"]], style,
                     label=labels[policy])
     ax.set_xlabel("cache size (% of the working set)")
     ax.set_ylabel("token hit rate (% of the oracle's)")
-    ax.set_title(f"prefix-cache hit rate on the trace (oracle: {r['oracle_hit_rate'] * 100:.1f}% of prompt tokens)")
+    ax.set_title(f"prefix-cache hit rate on the trace (oracle: {r['oracle_hit_rate'] * 100:.1f}% of prompt tokens)",
+                 fontsize=10)
     ax.invert_xaxis()
     ax.grid(True, alpha=0.3)
     ax.legend()
