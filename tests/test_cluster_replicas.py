@@ -34,7 +34,8 @@ def _blocks(n: int, seed: int = 0) -> list[tuple[bytes, torch.Tensor]]:
 
 
 # ----- the shared disk tier --------------------------------------------------------------------
-async def test_a_block_written_by_one_replica_is_read_by_another(sessionmaker: Maker, tmp_path: Path) -> None:  # noqa: F811
+async def test_a_block_written_by_one_replica_is_read_by_another(sessionmaker: Maker,  # noqa: F811
+                                                                 tmp_path: Path) -> None:
     a = DiskTier(tmp_path / "kv", FP, 1 << 30, sessionmaker)
     b = DiskTier(tmp_path / "kv", FP, 1 << 30, sessionmaker)
     try:
@@ -113,7 +114,8 @@ async def replicas(database_url: str, tmp_path: Path, loaded_fp32):  # type: ign
         await services.stop()
 
 
-async def _turn(services: Services, state, content: str, params: SamplingParams = GREEDY) -> dict:  # type: ignore[no-untyped-def]
+async def _turn(services: Services, state, content: str,  # type: ignore[no-untyped-def]
+                params: SamplingParams = GREEDY) -> dict:
     frames = await services.turns.start(state, content, params)
     await frames.finished.wait()
     assert frames.done_frame is not None
