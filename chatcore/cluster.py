@@ -155,7 +155,11 @@ class Postgres:
                    "--locale=C", "--no-instructions"] + (["--no-sync"] if throwaway else [])
             subprocess.run(_as_pg_os_user(cmd), check=True, capture_output=True, timeout=120)
         pg.start(throwaway=throwaway)
-        pg.create_database("chatcore")
+        try:
+            pg.create_database("chatcore")
+        except BaseException:
+            pg.stop()
+            raise
         return pg
 
     def start(self, *, throwaway: bool = False) -> None:
@@ -298,13 +302,13 @@ def cluster_up(settings: Settings, replicas: int, *, port: int, postgres: bool =
         database_url = pg.url()
     else:
         database_url = settings.resolved_database_url
-    run_migrations(database_url)  # once, before the replicas (their own migrate is then a no-op)
     ports = replica_ports or [port + 1 + i for i in range(replicas)]
     started: list[Replica] = []
     procs: dict[int, subprocess.Popen[bytes]] = {}
     kv_dir = settings.resolved_kv_disk_dir
     nginx: subprocess.Popen[bytes] | None = None
     try:
+        run_migrations(database_url)  # once, before the replicas (their own migrate is then a no-op)
         for i in range(replicas):
             replica, proc = start_replica(f"replica-{i + 1}", ports[i], base / f"replica-{i + 1}", database_url,
                                           kv_dir, env)
