@@ -149,7 +149,9 @@ class Context:
         return str(resolve_dtype(self.settings.dtype)).removeprefix("torch.")
 
     def engine_settings(self, **overrides: Any) -> Settings:
-        return self.settings.model_copy(update=overrides)
+        """The run's settings for an in-process engine. The queue bound (`max_queue_wait_s`, 30 s)
+        is a server policy; a benchmark on a loaded machine must not fail requests with `busy`."""
+        return self.settings.model_copy(update={"max_queue_wait_s": 600.0, **overrides})
 
     @property
     def loaded(self):
