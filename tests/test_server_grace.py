@@ -53,6 +53,17 @@ async def hello(ws, **fields) -> dict:
     return frame
 
 
+async def until_tokens(ws, count: int, timeout: float = 120) -> list[dict]:
+    """Frames up to the `count`-th token of a running turn; fails (never hangs) if the turn ends first."""
+    frames: list[dict] = []
+    async with asyncio.timeout(timeout):
+        while sum(f["type"] == "token" for f in frames) < count:
+            frame = json.loads(await ws.recv())
+            assert frame["type"] not in ("done", "error"), f"the turn ended before {count} tokens: {frames + [frame]}"
+            frames.append(frame)
+    return frames
+
+
 async def poll(check, what: str, deadline_s: float = DEADLINE_S):
     """Poll `check()` until it returns something truthy, or fail after the deadline."""
     deadline = time.monotonic() + deadline_s
@@ -71,9 +82,7 @@ async def test_dropped_turn_ends_disconnected_and_releases_its_blocks(grace, how
         sid = session["session_id"]
         await ws.send(json.dumps({"type": "user", "id": "long", "content": "Count from 1 to 1000, one per line.",
                                   "params": {"temperature": 0, "max_tokens": MAX_TOKENS}}))
-        seen: list[dict] = []
-        while sum(f["type"] == "token" for f in seen) < 3:
-            seen.append(json.loads(await ws.recv()))
+        seen = await until_tokens(ws, 3)
         if how == "abort":
             ws.transport.abort()  # no close frame: the TCP connection just goes away
         dropped_at = time.monotonic()
@@ -128,7 +137,7 @@ async def test_an_expired_grace_timer_does_not_cancel_a_later_turn(grace) -> Non
         sid = session["session_id"]
         await ws.send(json.dumps({"type": "user", "id": "short", "content": "Say hello.",
                                   "params": {"temperature": 0, "max_tokens": 2}}))
-        await recv_until(ws, "token")
+        await until_tokens(ws, 1)
     dropped_at = time.monotonic()
     first = await poll(lambda: [t for t in assistant_turns(grace, sid) if t["finish_reason"]], "the short turn")
     assert first[0]["finish_reason"] in ("stop", "length")
@@ -191,7 +200,7 @@ async def test_a_socket_whose_session_went_cold_keeps_using_the_one_session(idle
                    "the session to go cold")
         await ws.send(json.dumps({"type": "user", "id": "two", "content": STORY,
                                   "params": {"temperature": 0, "max_tokens": 200}}))
-        await recv_until(ws, "token")
+        await until_tokens(ws, 1)
         body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
         resp = await asyncio.to_thread(httpx.post, idle.base_url + "/v1/chat/completions", json=body,
                                        headers={"X-Session-Id": sid}, timeout=120)

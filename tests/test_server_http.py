@@ -3,6 +3,7 @@ turns per tenant, WebSocket Origin), against real server processes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 
@@ -63,6 +64,17 @@ async def turn(ws, content: str, params: dict | None = None) -> tuple[str, dict]
                               "params": params or GREEDY}))
     frames = await recv_until(ws, "done")
     return "".join(f["text"] for f in frames if f["type"] == "token"), frames[-1]
+
+
+async def until_tokens(ws, count: int, timeout: float = 120) -> list[dict]:
+    """Frames up to the `count`-th token of a running turn; fails (never hangs) if the turn ends first."""
+    frames: list[dict] = []
+    async with asyncio.timeout(timeout):
+        while sum(f["type"] == "token" for f in frames) < count:
+            frame = json.loads(await ws.recv())
+            assert frame["type"] not in ("done", "error"), f"the turn ended before {count} tokens: {frames + [frame]}"
+            frames.append(frame)
+    return frames
 
 
 async def expect_error(ws, payload: dict | str, code: str) -> dict:
@@ -322,7 +334,7 @@ async def test_concurrent_turns_per_tenant_limit(limits) -> None:
         session_b = await hello(b)
         await a.send(json.dumps({"type": "user", "id": "long", "content": "Count from 1 to 300, one per line.",
                                  "params": {"temperature": 0, "max_tokens": MAX_TOKENS_LIMIT}}))
-        await recv_until(a, "token")  # A's turn is running
+        await until_tokens(a, 1)  # A's turn is running
         await expect_error(b, {"type": "user", "id": "b1", "content": "Hi", "params": GREEDY}, "busy")
         resp = raw(limits, "POST", "/v1/chat/completions",
                    json.dumps({"messages": MSG, "max_tokens": 2}).encode(), {"X-Session-Id": session_b["session_id"]})
