@@ -29,8 +29,10 @@ def grace(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def idle(tmp_path_factory):
-    """Sessions go cold (out of memory) as soon as they are idle and unpinned."""
-    server = start_server(tmp_path_factory.mktemp("idle-server"), warm_idle_s=0, hot_window_s=0)
+    """Sessions go cold (out of memory) as soon as they are idle and unpinned; the engine runs one
+    sequence at a time and a request waits at most half a second for it."""
+    server = start_server(tmp_path_factory.mktemp("idle-server"), warm_idle_s=0, hot_window_s=0,
+                          max_num_seqs=1, max_queue_wait_s=0.5)
     yield server
     server.stop()
 
@@ -212,3 +214,32 @@ async def test_a_socket_whose_session_went_cold_keeps_using_the_one_session(idle
     assert [(m["role"], m.get("finish_reason")) for m in history][2:] == [("user", None), ("assistant", "cancelled")]
     assert len(history) == 4
     assert idle.request("DELETE", f"/v1/sessions/{sid}")[0] == 204
+
+
+async def test_no_engine_capacity_is_busy_on_every_path(idle) -> None:
+    """While one turn holds the engine's only sequence slot, other requests wait `max_queue_wait_s`
+    and then fail with `busy`: over the WebSocket, over HTTP with X-Session-Id (429), and stateless."""
+    async with idle.connect() as a, idle.connect() as b:
+        await hello(a)
+        session_b = await hello(b)
+        await a.send(json.dumps({"type": "user", "id": "long", "content": STORY,
+                                 "params": {"temperature": 0, "max_tokens": 200}}))
+        await until_tokens(a, 1)
+        await b.send(json.dumps({"type": "user", "id": "b", "content": "Hi",
+                                 "params": {"temperature": 0, "max_tokens": 2}}))
+        frames = await recv_until(b, "done")
+        assert [f["code"] for f in frames if f["type"] == "error"] == ["busy"], frames
+        assert frames[-1]["finish_reason"] == "error"
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        for headers in ({"X-Session-Id": session_b["session_id"]}, {}):
+            resp = await asyncio.to_thread(httpx.post, idle.base_url + "/v1/chat/completions", json=body,
+                                           headers=headers, timeout=120)
+            assert resp.status_code == 429 and resp.json()["error"]["code"] == "busy", (headers, resp.text)
+        await a.send(json.dumps({"type": "cancel"}))
+        assert (await recv_until(a, "done"))[-1]["finish_reason"] == "cancelled"  # A ran throughout
+        # With the slot free again, B's next turn runs.
+        await b.send(json.dumps({"type": "user", "id": "b2", "content": "Hi",
+                                 "params": {"temperature": 0, "max_tokens": 2}}))
+        assert (await recv_until(b, "done"))[-1]["finish_reason"] in ("stop", "length")
+    for s in idle.get("/v1/sessions")[1]:
+        assert idle.request("DELETE", f"/v1/sessions/{s['id']}")[0] == 204

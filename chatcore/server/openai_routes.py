@@ -124,15 +124,18 @@ async def _session_events(services: Services, tenant_id: str, session_id: str, m
     state = await services.sessions.open(tenant_id, session_id)
     frames = await services.turns.start(state, messages[-1]["content"], params, client_id=None)
     queue = frames.subscribe(None)
+    error = ApiError("internal", "the turn failed")
     try:
         while True:
             frame = await queue.get()
             if frame["type"] == "token":
                 yield "delta", (frame["index"], frame["text"])
+            elif frame["type"] == "error":  # precedes a failed turn's done: busy (no capacity), conflict, ...
+                error = ApiError(frame["code"], frame["message"])
             elif frame["type"] == "done":
                 usage = frame["usage"]
                 if frame["finish_reason"] == "error":
-                    raise ApiError("internal", "the turn failed")
+                    raise error
                 reasons = {i: frame["finish_reason"] for i in range(params.n)}
                 yield "done", (reasons, (usage["prompt_tokens"], usage["cached_tokens"], usage["completion_tokens"]))
                 return
