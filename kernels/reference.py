@@ -55,7 +55,9 @@ class _StepPlan(threading.local):
     The engine calls the decode attention once per layer with the same block table and
     context lengths; their derived tensors are built once. The plan holds the two input
     tensors themselves (not their ids), so a new tensor can never be mistaken for them, and
-    checks their version counters, so an in-place change is noticed.
+    checks their version counters, so an in-place change is noticed. Inference tensors (the
+    engine builds its step inputs under `torch.inference_mode`) have no version counter; the
+    engine never changes a step's inputs in place.
     """
 
     def __init__(self) -> None:
@@ -64,11 +66,16 @@ class _StepPlan(threading.local):
 
     def get(self, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> dict[str, object]:
         last = self.inputs
+        versions = (_version(block_tables), _version(context_lens))
         if (last is None or last[0] is not block_tables or last[1] is not context_lens or last[2] != block_size
-                or last[3] != block_tables._version or last[4] != context_lens._version):
+                or (last[3], last[4]) != versions):
             self.plan = _make_plan(block_tables, context_lens, block_size)
-            self.inputs = (block_tables, context_lens, block_size, block_tables._version, context_lens._version)
+            self.inputs = (block_tables, context_lens, block_size, *versions)
         return self.plan
+
+
+def _version(tensor: torch.Tensor) -> int:
+    return -1 if tensor.is_inference() else tensor._version
 
 
 _plans = _StepPlan()
