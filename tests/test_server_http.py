@@ -278,10 +278,6 @@ async def test_message_token_limit(limits) -> None:
     assert len(limits.get(f"/v1/sessions/{session['session_id']}")[1]["history"]) == 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug in chatcore/sessions/turns.py TurnRunner._prompt: on a session's first turn (and after a re-render) "
-    "it returns the whole prompt's length as the tokens the message adds, so the session's system prompt "
-    "counts against CHATCORE_MAX_MESSAGE_TOKENS"))
 async def test_message_token_limit_counts_the_message_not_the_system_prompt(limits) -> None:
     system = "You are Atlas, the support assistant of the Northwind travel agency. " * 10  # ~150 tokens
     status, created = limits.request("POST", "/v1/sessions", {"system_prompt": system})

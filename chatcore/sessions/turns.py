@@ -55,9 +55,11 @@ class TurnRunner:
             if self.m.active_turns[state.tenant_id] >= self.m.settings.max_turns_per_tenant:
                 raise Busy(f"the tenant already runs {self.m.settings.max_turns_per_tenant} turns")
             await self.m.hold(state)  # the lease: this replica alone runs the session's turns
+            message_tokens = len(self.m.template.tokenizer.encode(content, add_special_tokens=False))
+            if message_tokens > self.m.settings.max_message_tokens:
+                raise TooLarge(f"the message is {message_tokens} tokens; "
+                               f"the limit is {self.m.settings.max_message_tokens}")
             prompt, added, use_pin = self._prompt(state, content)
-            if added > self.m.settings.max_message_tokens:
-                raise TooLarge(f"the message is {added} tokens; the limit is {self.m.settings.max_message_tokens}")
             req = self.engine.make_request(prompt, params, scope_key=state.scope_key)
             req.keep_table = True
             try:
