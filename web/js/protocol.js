@@ -70,10 +70,14 @@ export class Api {
   }
 }
 
-export function wsUrl(apiKey) {
+/** The socket URL; `sessionId` in the query lets a router (nginx) keep a session on its replica. */
+export function wsUrl(apiKey, sessionId = null) {
   const scheme = location.protocol === "https:" ? "wss" : "ws";
-  const query = apiKey ? `?api_key=${encodeURIComponent(apiKey)}` : "";
-  return `${scheme}://${location.host}/v1/ws${query}`;
+  const params = new URLSearchParams();
+  if (apiKey) params.set("api_key", apiKey);
+  if (sessionId) params.set("session_id", sessionId);
+  const query = params.toString();
+  return `${scheme}://${location.host}/v1/ws${query ? `?${query}` : ""}`;
 }
 
 const SEQ_FRAMES = new Set(["start", "token", "done"]);
@@ -144,7 +148,7 @@ export class SessionSocket extends EventTarget {
     this.setState("connecting");
     let ws;
     try {
-      ws = new WebSocket(wsUrl(this.getKey()));
+      ws = new WebSocket(wsUrl(this.getKey(), this.sessionId));
     } catch {
       this.retry();
       return;
