@@ -6,6 +6,7 @@ import asyncio
 from contextlib import aclosing
 
 import pytest
+import torch
 
 from chatcore.cache import audit
 from chatcore.engine.engine import AsyncEngine
@@ -202,3 +203,20 @@ async def test_async_engine_streams_and_cancels(make_core, loaded_fp32) -> None:
 def _wait_idle(core) -> bool:
     """Runs on the engine thread: the abort command ran before this one, so nothing is left."""
     return not core.requests and audit(core.pool).used == 0
+
+
+def test_pool_grows_and_shrinks_under_a_running_request(make_core, loaded_fp32) -> None:
+    core = make_core(num_blocks=32, block_size=16, low_watermark=0.0, high_watermark=0.0)
+    req = _prompt(core, loaded_fp32, 4, max_tokens=20)
+    core.add(req)
+    core.step()
+    table_before = list(req.seqs[0].table.block_ids)
+    data_before = core.kv.data[:, :, table_before].clone()
+    assert core.resize(64) == 64 and core.kv.num_blocks == 64
+    assert req.seqs[0].table.block_ids == table_before
+    assert core.resize(8) == core.pool.num_blocks == core.kv.num_blocks
+    assert core.pool.num_blocks >= max(table_before) + 1
+    assert torch.equal(core.kv.data[:, :, table_before], data_before)
+    out = run_to_end(core)[req.request_id]
+    assert out.outputs[0].finish_reason == "length"
+    _assert_idle(core)

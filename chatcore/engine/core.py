@@ -95,6 +95,21 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def resize(self, num_blocks: int) -> int:
+        """Grow or shrink the pool and its tensors together; block ids never change.
+
+        Shrinking removes only free or cached-free blocks from the top of the id space, and
+        never below the high watermark of available blocks. Returns the new size.
+        """
+        current = self.pool.num_blocks
+        if num_blocks > current:
+            self.kv.resize(num_blocks)
+            self.pool.grow(num_blocks - current)
+        elif num_blocks < current:
+            self.pool.shrink(current - num_blocks)
+            self.kv.resize(self.pool.num_blocks)
+        return self.pool.num_blocks
+
     # ----- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
