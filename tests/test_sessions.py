@@ -157,3 +157,30 @@ async def test_disk_tier_serves_a_cold_session_and_rejects_bad_files(make_servic
         assert usage["recomputed_tokens"] == usage["prompt_tokens"] - index * bs
         assert services.disk.rejected == rejected + 1
         assert done["finish_reason"] in ("stop", "length") and done["text"]
+
+
+async def test_a_template_that_is_not_prefix_stable_falls_back_to_the_hash_match(make_services, loaded_fp32) -> None:
+    import copy
+    import dataclasses
+
+    tokenizer = copy.deepcopy(loaded_fp32.tokenizer)
+    # A real template whose header changes with the conversation's length: not prefix-stable.
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "<|im_start|>system\nturns so far: {{ messages|length }}<|im_end|>\n"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    services = await make_services(hot_window_s=0)
+    loaded = dataclasses.replace(loaded_fp32, tokenizer=tokenizer)
+    from chatcore.sessions.template import ChatTemplate
+
+    template = ChatTemplate(loaded.tokenizer, loaded.stop_token_ids)
+    assert not template.prefix_stable
+    services.sessions.template = template
+    state, _ = await services.sessions.create(services.local_tenant_id, system_prompt=LONG_SYSTEM)
+    first = await run_turn(services, state, "Hello there.")
+    second = await run_turn(services, state, "Tell me about refunds.")
+    assert first["finish_reason"] in ("stop", "length") and second["finish_reason"] in ("stop", "length")
+    # The re-rendered prompt still starts with the system turn and the first exchange's
+    # full blocks, found by their content hashes.
+    bs = services.settings.block_size
+    assert second["usage"]["cached_tokens"] >= (len(template.render(state.messages[:1], False)) // bs) * bs > 0
