@@ -8,6 +8,7 @@ sizes run in `make test`; the full sizes carry the `stress` marker and run in `m
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import re
@@ -45,7 +46,8 @@ def sizes(fast: Any, stress: Any) -> list[Any]:
 
 def private_system(tag: str) -> str:
     """A system prompt no other session shares (its first block is unique)."""
-    return f"Session {tag} {uuid.uuid4().hex}. You are a terse assistant; answer in one short sentence."
+    digest = hashlib.sha256(tag.encode()).hexdigest()[:16]  # deterministic: reruns see the same prompts
+    return f"Session {tag} {digest}. You are a helpful assistant who follows instructions exactly."
 
 
 # ----- figures -------------------------------------------------------------------------------------
@@ -179,6 +181,7 @@ class Turn:
     client_id: str
     content: str
     frames: list[dict[str, Any]] = field(default_factory=list)
+    frame_times: list[float] = field(default_factory=list)  # when each frame arrived (monotonic)
     sent_at: float = 0.0
     first_token_at: float | None = None
     done_at: float | None = None
@@ -247,6 +250,7 @@ class Chat:
         async with asyncio.timeout(timeout):
             frame = json.loads(await self.ws.recv())
         turn.frames.append(frame)
+        turn.frame_times.append(time.monotonic())
         if "seq" in frame:
             self.last_seq = max(self.last_seq or 0, frame["seq"])
         if frame["type"] == "token" and turn.first_token_at is None:
