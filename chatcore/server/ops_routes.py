@@ -40,6 +40,11 @@ async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
     if now > seen:
         m.preemptions.inc(now - seen)
         services.extra["preemptions_seen"] = now
+    rejected = services.disk.rejected if services.disk is not None else 0
+    seen = services.extra.get("disk_rejected_seen", 0)
+    if rejected > seen:  # corrupt, truncated or foreign block files the disk tier refused to use
+        m.disk_blocks_rejected.inc(rejected - seen)
+        services.extra["disk_rejected_seen"] = rejected
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
 
