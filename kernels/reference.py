@@ -27,11 +27,13 @@ class _GatherBuffers(threading.local):
     """
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+        self.buffers: dict[tuple[int, torch.dtype, tuple[int, ...], bool], torch.Tensor] = {}
 
     def take(self, slot: int, cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
         """A contiguous [num_blocks, *block shape] buffer, valid until `slot` is taken again."""
-        key = (slot, cache.dtype, tuple(cache.shape[1:]))
+        # Inference-mode buffers cannot be written outside inference mode (and the reverse
+        # would make results inference tensors): keep one set per mode.
+        key = (slot, cache.dtype, tuple(cache.shape[1:]), torch.is_inference_mode_enabled())
         buffer = self.buffers.get(key)
         if buffer is None or buffer.shape[0] < num_blocks:
             rows = max(num_blocks, 0 if buffer is None else buffer.shape[0] * 3 // 2)

@@ -73,11 +73,13 @@ def test_the_step_plan_follows_changes_to_its_inputs() -> None:
     assert reference._plans.plan["shared"] == 0
 
 
-def test_inference_mode_inputs_work() -> None:
+def test_inference_mode_and_normal_calls_interleave() -> None:
+    """The engine calls under inference mode, tests and autograd users outside it, in one thread."""
     lens = [60, 60, 60]
-    with torch.inference_mode():
-        query, keys, values, table, context = make_case(lens, num_kv_heads=3, group=3, head_dim=64, block_size=16,
-                                                        dtype=torch.float32, seed=7)
-        table = share_prefix(table, context, 3, 16)
-        got = reference.paged_decode_attention(query, keys, values, table, context, 0.125)
-    torch.testing.assert_close(got, dense_attention(query, keys, values, table, context, 0.125))
+    for mode in (True, False, True):
+        with torch.inference_mode(mode):
+            query, keys, values, table, context = make_case(lens, num_kv_heads=3, group=3, head_dim=64,
+                                                            block_size=16, dtype=torch.float32, seed=7)
+            table = share_prefix(table, context, 3, 16)
+            got = reference.paged_decode_attention(query, keys, values, table, context, 0.125)
+        torch.testing.assert_close(got, dense_attention(query, keys, values, table, context, 0.125))
