@@ -30,6 +30,7 @@ CLOSE_TOO_BIG = 1009
 CLOSE_CONFLICT = 4409
 MAX_ID_CHARS = 128
 MAX_TITLE_CHARS = 200
+MAX_SEQ = 2**63 - 1  # frame numbers are stored as 64-bit integers
 
 
 def origin_allowed(socket: WebSocket, allowed: list[str]) -> bool:
@@ -173,8 +174,9 @@ class Connection:
         system_prompt = _optional_str(frame, "system_prompt", 100_000)
         title = _optional_str(frame, "title", MAX_TITLE_CHARS) or ""
         last_seq = frame.get("last_seq")
-        if last_seq is not None and (isinstance(last_seq, bool) or not isinstance(last_seq, int) or last_seq < 0):
-            raise ApiError("bad_request", "last_seq must be a non-negative integer or null")
+        if last_seq is not None and (isinstance(last_seq, bool) or not isinstance(last_seq, int)
+                                     or not 0 <= last_seq <= MAX_SEQ):
+            raise ApiError("bad_request", "last_seq must be a non-negative 64-bit integer or null")
         routed = self.socket.query_params.get("session_id")  # for nginx's affinity (docs/deploy.md)
         if routed and session_id is not None and routed != session_id:
             raise ApiError("bad_request", "the session_id in the URL and in hello differ")
@@ -268,6 +270,14 @@ async def chat_socket(socket: WebSocket) -> None:
         await asyncio.gather(sender, return_exceptions=True)
 
 
+def _encodable(frame: dict[str, Any]) -> bool:
+    try:
+        json.dumps(frame, ensure_ascii=False).encode("utf-8")
+    except (UnicodeEncodeError, RecursionError):
+        return False
+    return True
+
+
 async def _on_message(conn: Connection, message: dict[str, Any], max_bytes: int) -> None:
     text = message.get("text")
     if text is None:
@@ -289,6 +299,10 @@ async def _on_message(conn: Connection, message: dict[str, Any], max_bytes: int)
         return
     if not isinstance(frame, dict):
         conn.error("bad_request", "a frame must be a JSON object")
+        return
+    if "\\ud" in text.lower() and not _encodable(frame):
+        # JSON may escape lone UTF-16 surrogates ("\ud800"): no UTF-8 text, so no title, prompt or reply.
+        conn.error("bad_request", "frames must be valid Unicode: lone surrogate escapes are not allowed")
         return
     try:
         await conn.handle(frame)
