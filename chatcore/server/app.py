@@ -23,6 +23,7 @@ from chatcore.server.errors import (
     api_error_handler,
     http_error_handler,
     internal_error_handler,
+    recursion_error_handler,
     session_error_handler,
 )
 from chatcore.server.services import Services
@@ -84,6 +85,7 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> Litesta
             ApiError: api_error_handler,
             SessionError: session_error_handler,
             HTTPException: http_error_handler,
+            RecursionError: recursion_error_handler,
             Exception: internal_error_handler,
         },
         openapi_config=OpenAPIConfig(title="chatcore", version="0.1.0",

@@ -67,6 +67,13 @@ def _validation_message(exc: HTTPException) -> str:
     return details or str(exc.detail)
 
 
+def recursion_error_handler(request: Request, exc: RecursionError) -> Response[dict[str, dict[str, str]]]:
+    """A JSON body nested deeper than the decoder's recursion limit is the client's error, not ours."""
+    if "deserializ" in str(exc):
+        return _body("bad_request", "the JSON body is nested too deeply", 400)
+    return internal_error_handler(request, exc)
+
+
 def internal_error_handler(_: Request, exc: Exception) -> Response[dict[str, dict[str, str]]]:
     log.exception("unhandled error", exc_info=exc)
     return _body("internal", "internal error", 500)
