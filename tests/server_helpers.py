@@ -17,6 +17,11 @@ from typing import Any
 import websockets
 
 STARTUP_TIMEOUT_S = 120
+GREEDY = {"temperature": 0, "max_tokens": 40}
+SYSTEM = ("You are Atlas, the support assistant of the Northwind travel agency. Always answer politely and "
+          "briefly. Our offices are open Monday to Friday from nine to five. Refunds are possible up to fourteen "
+          "days before departure, minus a handling fee of twenty euros. Bookings can be changed online or by "
+          "phone. Luggage rules depend on the airline. Travel insurance is optional but recommended.")
 
 
 def free_port() -> int:
@@ -123,3 +128,23 @@ async def recv_until(ws: Any, kind: str, timeout: float = 120) -> list[dict[str,
             frames.append(frame)
             if frame["type"] == kind:
                 return frames
+
+
+async def hello(ws: Any, **fields: Any) -> dict[str, Any]:
+    """Send `hello` (a new session unless `session_id` is given) and return the `session` frame."""
+    await ws.send(json.dumps({"type": "hello", "session_id": None, "resume_token": None, "last_seq": None,
+                              "system_prompt": None, **fields}))
+    frame = json.loads(await ws.recv())
+    assert frame["type"] == "session", frame
+    return frame
+
+
+async def turn(ws: Any, content: str, params: dict[str, Any] | None = None,
+               client_id: str | None = None) -> tuple[str, dict[str, Any]]:
+    """One user turn; returns the streamed text and the `done` frame."""
+    import uuid
+
+    await ws.send(json.dumps({"type": "user", "id": client_id or uuid.uuid4().hex, "content": content,
+                              "params": params or GREEDY}))
+    frames = await recv_until(ws, "done")
+    return "".join(f["text"] for f in frames if f["type"] == "token"), frames[-1]

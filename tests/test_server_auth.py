@@ -13,14 +13,10 @@ import openai
 import pytest
 import websockets
 
-from tests.server_helpers import create_key, recv_until, start_server
+from tests.server_helpers import SYSTEM, create_key, hello, recv_until, start_server
 
 pytestmark = pytest.mark.model
 BLOCK = 16
-SYSTEM = ("You are Atlas, the support assistant of the Northwind travel agency. Always answer politely and "
-          "briefly. Our offices are open Monday to Friday from nine to five. Refunds are possible up to fourteen "
-          "days before departure, minus a handling fee of twenty euros. Bookings can be changed online or by "
-          "phone. Luggage rules depend on the airline. Travel insurance is optional but recommended.")
 MSG = [{"role": "user", "content": "Hi"}]
 
 
@@ -76,12 +72,6 @@ def assert_error(resp: httpx.Response, status: int, code: str) -> None:
     assert resp.json()["error"]["code"] == code, resp.text
 
 
-async def hello(ws, **fields) -> dict:
-    await ws.send(json.dumps({"type": "hello", "session_id": None, "resume_token": None, "last_seq": None,
-                              "system_prompt": None, **fields}))
-    frame = json.loads(await ws.recv())
-    assert frame["type"] == "session", frame
-    return frame
 
 
 async def first_turn(server, key: str, system: str, question: str) -> dict:

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_helpers import recv_until, start_server
+from tests.server_helpers import hello, recv_until, start_server
 
 pytestmark = pytest.mark.model
 GRACE_S = 1.0
@@ -47,12 +47,6 @@ def audit_after(request):
             assert status == 200 and body["audit"]["ok"], body["audit"]
 
 
-async def hello(ws, **fields) -> dict:
-    await ws.send(json.dumps({"type": "hello", "session_id": None, "resume_token": None, "last_seq": None,
-                              "system_prompt": None, **fields}))
-    frame = json.loads(await ws.recv())
-    assert frame["type"] == "session", frame
-    return frame
 
 
 async def until_tokens(ws, count: int, timeout: float = 120) -> list[dict]:

@@ -12,7 +12,7 @@ import openai
 import pytest
 import websockets
 
-from tests.server_helpers import recv_until, start_server
+from tests.server_helpers import hello, recv_until, start_server, turn
 
 pytestmark = pytest.mark.model
 FRAME_LIMIT = 1024
@@ -51,19 +51,8 @@ def audit_after(request, live_server):
         assert status == 200 and body["audit"]["ok"], body["audit"]
 
 
-async def hello(ws, **fields) -> dict:
-    await ws.send(json.dumps({"type": "hello", "session_id": None, "resume_token": None, "last_seq": None,
-                              "system_prompt": None, **fields}))
-    frame = json.loads(await ws.recv())
-    assert frame["type"] == "session", frame
-    return frame
 
 
-async def turn(ws, content: str, params: dict | None = None) -> tuple[str, dict]:
-    await ws.send(json.dumps({"type": "user", "id": uuid.uuid4().hex, "content": content,
-                              "params": params or GREEDY}))
-    frames = await recv_until(ws, "done")
-    return "".join(f["text"] for f in frames if f["type"] == "token"), frames[-1]
 
 
 async def until_tokens(ws, count: int, timeout: float = 120) -> list[dict]:
@@ -169,7 +158,7 @@ async def test_delete_releases_blocks_and_rows(live_server) -> None:
     async with live_server.connect() as ws:
         session = await hello(ws, system_prompt=f"Session {uuid.uuid4().hex}. Answer in one short sentence.")
         sid = session["session_id"]
-        await turn(ws, "What is the capital of France?")
+        await turn(ws, "What is the capital of France?", GREEDY)
     # The finished turn's chain is pinned for the hot window: the map shows its blocks.
     assert blocks_of(live_server, sid)
     assert live_server.get(f"/v1/sessions/{sid}")[1]["cache"]["device_blocks"] > 0

@@ -9,13 +9,11 @@ import httpx
 import openai
 import pytest
 
+from tests.server_helpers import SYSTEM
+
 pytestmark = pytest.mark.model
 BLOCK = 16
 # A long system prompt; each test adds a nonce in front so that its first request is a cold miss.
-SYSTEM = ("You are Atlas, the support assistant of the Northwind travel agency. Always answer politely and "
-          "briefly. Our offices are open Monday to Friday from nine to five. Refunds are possible up to fourteen "
-          "days before departure, minus a handling fee of twenty euros. Bookings can be changed online or by "
-          "phone. Luggage rules depend on the airline. Travel insurance is optional but recommended.")
 
 
 @pytest.fixture(autouse=True)

@@ -4,19 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 
 import pytest
 import websockets
 
-from tests.server_helpers import recv_until
+from tests.server_helpers import GREEDY, SYSTEM, hello, recv_until, turn
 
 pytestmark = pytest.mark.model
-SYSTEM = ("You are Atlas, the support assistant of the Northwind travel agency. Always answer politely and "
-          "briefly. Our offices are open Monday to Friday from nine to five. Refunds are possible up to fourteen "
-          "days before departure, minus a handling fee of twenty euros. Bookings can be changed online or by "
-          "phone. Luggage rules depend on the airline. Travel insurance is optional but recommended.")
-GREEDY = {"temperature": 0, "max_tokens": 40}
 
 
 @pytest.fixture(autouse=True)
@@ -26,20 +20,8 @@ def audit_after(live_server):
     assert status == 200 and body["audit"]["ok"], body["audit"]
 
 
-async def hello(ws, **fields) -> dict:
-    await ws.send(json.dumps({"type": "hello", "session_id": None, "resume_token": None, "last_seq": None,
-                              "system_prompt": None, **fields}))
-    frame = json.loads(await ws.recv())
-    assert frame["type"] == "session", frame
-    return frame
 
 
-async def turn(ws, content: str, params: dict | None = None, client_id: str | None = None) -> tuple[str, dict]:
-    await ws.send(json.dumps({"type": "user", "id": client_id or uuid.uuid4().hex, "content": content,
-                              "params": params or GREEDY}))
-    frames = await recv_until(ws, "done")
-    text = "".join(f["text"] for f in frames if f["type"] == "token")
-    return text, frames[-1]
 
 
 async def test_shared_system_prompt_and_whole_history_are_cached(live_server) -> None:

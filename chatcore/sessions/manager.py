@@ -24,7 +24,6 @@ from chatcore.sessions.pins import PinRegistry
 from chatcore.sessions.state import SessionState
 from chatcore.sessions.template import ChatTemplate
 from chatcore.sessions.turn import TurnFrames
-from chatcore.store.packing import unpack_ids
 from chatcore.store.repos import Repos
 
 log = logging.getLogger(__name__)

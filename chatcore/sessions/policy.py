@@ -21,7 +21,6 @@ import time
 
 from chatcore.engine.core import EngineCore
 from chatcore.sessions.manager import SessionManager
-from chatcore.store.repos import Repos
 
 log = logging.getLogger(__name__)
 
