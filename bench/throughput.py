@@ -88,6 +88,7 @@ def run(ctx: Context) -> dict[str, Any]:
         runs["hf_static"].append(baselines.hf_static(model, prompts, new, pad))
         if cb_error is None:
             runs["hf_generate_batch"].append(baselines.hf_continuous(model, prompts, new))
+        ctx.log("    tok/s: " + ", ".join(f"{k} {v[-1].tok_s:.1f}" for k, v in runs.items() if v))
     systems: dict[str, Any] = {name: summarize(r) for name, r in runs.items() if r}
     systems["hf_sequential"]["requests"] = len(seq_prompts)
     if cb_error is not None:
