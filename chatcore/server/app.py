@@ -6,8 +6,9 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
-from litestar import Litestar, MediaType, Response, Router, get
+from litestar import Litestar, MediaType, Request, Response, Router, get
 from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException
 from litestar.handlers import BaseRouteHandler
@@ -27,7 +28,7 @@ from chatcore.server.errors import (
     session_error_handler,
 )
 from chatcore.server.services import Services
-from chatcore.server.ws import chat_socket
+from chatcore.server.ws import chat_socket, origin_allowed
 from chatcore.sessions.manager import SessionError
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,15 @@ async def _require_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
 
 def create_app(settings: Settings, loaded: LoadedModel | None = None) -> Litestar:
     """An app that starts its services (database, model, engine, sessions) in its lifespan."""
+
+    async def same_origin(request: Request[Any, Any, Any]) -> Response[Any] | None:
+        """Cross-site requests from browsers (which always name their Origin on a POST, even a 'simple' one,
+        text/plain with no CORS preflight) are refused by the rule the WebSocket upgrade uses: in open mode,
+        any web page could otherwise create sessions and run completions on a local server. Before the body
+        is read; clients that are not browsers send no Origin."""
+        if origin_allowed(request, settings.allowed_origins):
+            return None
+        return Response({"error": {"code": "unauthorized", "message": "origin not allowed"}}, status_code=403)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -81,6 +91,7 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> Litesta
             ops_routes.metrics,
         ],
         lifespan=[lifespan],
+        before_request=same_origin,
         exception_handlers={
             ApiError: api_error_handler,
             SessionError: session_error_handler,

@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from litestar import WebSocket, websocket
+from litestar.connection import ASGIConnection
 
 from chatcore.server.auth import Authenticator, Principal
 from chatcore.server.errors import ApiError, from_session_error
@@ -33,7 +34,7 @@ MAX_TITLE_CHARS = 200
 MAX_SEQ = 2**63 - 1  # frame numbers are stored as 64-bit integers
 
 
-def origin_allowed(socket: WebSocket, allowed: list[str]) -> bool:
+def origin_allowed(socket: ASGIConnection, allowed: list[str]) -> bool:
     origin = socket.headers.get("origin")
     if not origin:
         return True  # not a browser
