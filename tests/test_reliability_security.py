@@ -4,7 +4,7 @@ prefix cache scoped per tenant and the disk tier on.
 Beyond tests/test_server_auth.py (fixed route list, one isolation case each): every route the OpenAPI schema
 lists needs a key; nothing of one tenant (sessions, titles, block map entries, metric labels, prefix hits)
 reaches another; resume tokens are long, random, bound to their session, and die on rotation; the Origin
-check refuses look-alikes; no secret reaches the server log; and no input steers a disk-tier file path.
+check refuses look-alikes, on the WebSocket and (cross-site requests) over HTTP; no secret reaches the server log; and no input steers a disk-tier file path.
 """
 
 from __future__ import annotations
@@ -238,6 +238,30 @@ async def test_origin_check_refuses_look_alikes(secure) -> None:
         frames, code = await ws_frames(secure, {}, **kwargs)
         assert frames[0]["code"] == "unauthorized" and code == 1008
     FIGURES["look-alike origins refused"] = len(refused)
+
+
+def test_cross_site_http_requests_are_refused(secure) -> None:
+    """Browsers send `text/plain` POSTs cross-site without a CORS preflight: the Origin rule of the WebSocket
+    applies to HTTP too, before the body is read (in open mode any web page could otherwise drive the server)."""
+    alpha = secure.keys["alpha"]
+    port = urllib.parse.urlsplit(secure.base_url).port
+    before = {s["id"] for s in call(secure, "GET", "/v1/sessions", alpha).json()}
+    refused = 0
+    for origin in ("http://evil.test", "null", f"http://localhost:{port}", ALLOWED_ORIGIN + ".evil.test"):
+        for content_type in ("text/plain", "application/x-www-form-urlencoded", "application/json"):
+            headers = {"Origin": origin, "Content-Type": content_type, "Authorization": f"Bearer {alpha}"}
+            for path, body in (("/v1/sessions", '{"title": "csrf"}'),
+                               ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}]}')):
+                resp = httpx.post(secure.base_url + path, content=body, headers=headers, timeout=60)
+                assert_error(resp, 403, "unauthorized")
+                refused += 1
+    assert {s["id"] for s in call(secure, "GET", "/v1/sessions", alpha).json()} == before
+    for origin in (secure.base_url, ALLOWED_ORIGIN, None):
+        headers = {"Origin": origin} if origin else {}
+        resp = call(secure, "POST", "/v1/sessions", alpha, {"title": "same site"}, headers)
+        assert resp.status_code == 201, (origin, resp.text)
+        assert call(secure, "DELETE", f"/v1/sessions/{resp.json()['id']}", alpha, headers=headers).status_code == 204
+    FIGURES["cross-site HTTP requests refused"] = refused
 
 
 # ----- the disk tier's paths, and the log -------------------------------------------------------------
