@@ -120,7 +120,7 @@ async def wait_idle(server: LiveServer, deadline_s: float = 60, key: str | None 
     return body
 
 
-LOG_PROBLEMS = re.compile(r"^(ERROR|CRITICAL)\b|Traceback|CacheError|audit failed|invariant", re.M)
+LOG_PROBLEMS = re.compile(r"^(ERROR|CRITICAL)\b|Traceback|CacheError|audit failed|invariant", re.MULTILINE)
 
 
 def log_problems(server: LiveServer) -> list[str]:
@@ -284,7 +284,7 @@ class Chat:
         if self.ws is not None:
             try:
                 await self.ws.close()
-            except Exception:  # noqa: BLE001 - already gone
+            except Exception:  # noqa: BLE001, S110 - already gone
                 pass
             self.ws = None
 

@@ -9,6 +9,7 @@ hearing from the server. Preemptions show in the metrics. A request that can nev
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -62,7 +63,7 @@ async def one_request(server, index: int, ex: Exhaustion) -> tuple[Chat, Turn]:
 def longest_silence(turn: Turn) -> float:
     """The longest time the client waited for the server's next frame of this turn."""
     times = [turn.sent_at] + turn.frame_times
-    return max(b - a for a, b in zip(times, times[1:]))
+    return max(b - a for a, b in itertools.pairwise(times))
 
 
 @pytest.mark.parametrize("ex", sizes(Exhaustion(pool_blocks=64, max_tokens=96, clients=20, max_queue_wait_s=8),

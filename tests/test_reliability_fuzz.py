@@ -33,8 +33,8 @@ pytestmark = pytest.mark.model
 FRAME_LIMIT = 65536
 ALLOWED_CLOSES = {1007: "invalid UTF-8", 1009: "frame too large", 1008: "unauthorized"}
 KNOWN_TYPES = {"hello", "user", "cancel", "ping"}
-FUZZ_SETTINGS = dict(deadline=None, database=None, derandomize=True, print_blob=True,
-                     suppress_health_check=list(HealthCheck))
+FUZZ_SETTINGS = {"deadline": None, "database": None, "derandomize": True, "print_blob": True,
+                 "suppress_health_check": list(HealthCheck)}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def server_still_fine(server) -> None:
 
 # ----- strategies ------------------------------------------------------------------------------------
 
-surrogates = st.integers(0xD800, 0xDFFF).map(lambda c: "\\u%04x" % c)  # as JSON escapes (lone halves)
+surrogates = st.integers(0xD800, 0xDFFF).map(lambda c: f"\\u{c:04x}")  # as JSON escapes (lone halves)
 scalars = (st.none() | st.booleans() | st.integers() | st.integers(-(2**80), 2**80) | st.floats()
            | st.text(max_size=30))
 json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
@@ -145,7 +145,8 @@ frames = st.one_of(
     st.text(max_size=200).map(lambda t: ("text", t, None)),  # mostly not JSON
     json_values.filter(lambda v: not isinstance(v, dict)).map(lambda v: ("text", dumps(v), True)),
     st.dictionaries(st.text(max_size=8).filter(lambda k: k != "type"), json_values, max_size=4)
-    .flatmap(lambda d: (json_values.filter(lambda t: not (isinstance(t, str) and t in KNOWN_TYPES))).map(lambda t: {**d, "type": t}))
+    .flatmap(lambda d: json_values.filter(lambda t: not (isinstance(t, str) and t in KNOWN_TYPES))
+             .map(lambda t: {**d, "type": t}))
     .map(lambda d: ("text", dumps(d), True)),  # no valid type
     st.dictionaries(st.text(max_size=8), json_values, max_size=4)
     .map(lambda d: ("text", dumps({**d, "type": "ping"}), False)),  # unknown fields on a ping: ignored (pong)
@@ -372,7 +373,7 @@ def test_schemathesis_against_the_openapi_schema(fuzz_server, capsys, tmp_path, 
         [str(st_bin), "run", fuzz_server.base_url + "/schema/openapi.json", "--checks", "not_a_server_error",
          "--max-examples", str(examples), "--seed", "9", "--workers", "1", "--request-timeout", "120",
          "--report", "junit", "--report-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=1200, env={"NO_COLOR": "1", "PATH": "/usr/bin:/bin",
+        check=False, capture_output=True, text=True, timeout=1200, env={"NO_COLOR": "1", "PATH": "/usr/bin:/bin",
                                                            "HOME": str(tmp_path)})
     tail = result.stdout[-4000:] + result.stderr[-2000:]
     assert result.returncode == 0, tail

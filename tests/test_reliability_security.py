@@ -4,7 +4,8 @@ prefix cache scoped per tenant and the disk tier on.
 Beyond tests/test_server_auth.py (fixed route list, one isolation case each): every route the OpenAPI schema
 lists needs a key; nothing of one tenant (sessions, titles, block map entries, metric labels, prefix hits)
 reaches another; resume tokens are long, random, bound to their session, and die on rotation; the Origin
-check refuses look-alikes, on the WebSocket and (cross-site requests) over HTTP; no secret reaches the server log; and no input steers a disk-tier file path.
+check refuses look-alikes, on the WebSocket and (cross-site requests) over HTTP; no secret reaches the server
+log; and no input steers a disk-tier file path.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def test_every_route_in_the_schema_needs_a_key(secure) -> None:
     schema = call(secure, "GET", "/schema/openapi.json", secure.keys["beta"]).json()
     wrong = [{}, {"Authorization": "Bearer cc_" + secrets.token_urlsafe(32)}, {"Authorization": "Bearer"},
              {"Authorization": f"Basic {secure.keys['alpha']}"}, {"Authorization": secure.keys["alpha"]},
-             {"Authorization": f"Bearer {secure.keys['alpha']}x"}, {"Authorization": f"Bearer {secure.keys['alpha'][:-1]}"}]
+             {"Authorization": f"Bearer {secure.keys['alpha']}x"},
+             {"Authorization": f"Bearer {secure.keys['alpha'][:-1]}"}]
     checked = 0
     for path, methods in schema["paths"].items():
         if path in OPEN_ROUTES:
@@ -171,7 +173,7 @@ async def test_no_tenant_sees_anything_of_another(secure) -> None:
                   for t in ("alpha", "beta")}
     assert per_tenant["alpha"] and per_tenant["beta"] and not per_tenant["alpha"] & per_tenant["beta"]
     # /metrics is open: its labels say nothing of tenants, sessions, titles or prompts.
-    text = httpx.get(secure.base_url + "/metrics", timeout=30).text
+    text = (await asyncio.to_thread(httpx.get, secure.base_url + "/metrics", timeout=30)).text
     for secret in [marker, "alpha", "beta", *alpha_ids, *beta_ids, *secure.keys.values()]:
         assert secret not in text, secret
     labels = set(re.findall(r"[{,]([a-zA-Z_]+)=", text))
@@ -233,7 +235,8 @@ async def test_origin_check_refuses_look_alikes(secure) -> None:
         kwargs = {"origin": origin} if origin else {}
         frames, code = await ws_frames(secure, {}, key=secure.keys["alpha"], **kwargs)
         assert frames[0]["type"] == "session" and code is None, (origin, frames)
-        assert call(secure, "DELETE", f"/v1/sessions/{frames[0]['session_id']}", secure.keys["alpha"]).status_code == 204
+        deleted = call(secure, "DELETE", f"/v1/sessions/{frames[0]['session_id']}", secure.keys["alpha"])
+        assert deleted.status_code == 204
         # An allowed origin is no key: without one, still unauthorized.
         frames, code = await ws_frames(secure, {}, **kwargs)
         assert frames[0]["code"] == "unauthorized" and code == 1008
