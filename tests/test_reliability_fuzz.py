@@ -373,8 +373,8 @@ def test_schemathesis_against_the_openapi_schema(fuzz_server, capsys, tmp_path, 
         [str(st_bin), "run", fuzz_server.base_url + "/schema/openapi.json", "--checks", "not_a_server_error",
          "--max-examples", str(examples), "--seed", "9", "--workers", "1", "--request-timeout", "120",
          "--report", "junit", "--report-dir", str(tmp_path)],
-        check=False, capture_output=True, text=True, timeout=1200, env={"NO_COLOR": "1", "PATH": "/usr/bin:/bin",
-                                                           "HOME": str(tmp_path)})
+        check=False, capture_output=True, text=True, timeout=1200, cwd=tmp_path,  # st keeps state in its cwd
+        env={"NO_COLOR": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     tail = result.stdout[-4000:] + result.stderr[-2000:]
     assert result.returncode == 0, tail
     counts = re.search(r"(\d+) generated", result.stdout)
