@@ -68,6 +68,7 @@ class Settings(BaseSettings):
     max_sessions_per_tenant: int = Field(1000, ge=1)
     max_turns_per_tenant: int = Field(16, ge=1)
     allowed_origins: list[str] = Field(default_factory=list)
+    allowed_hosts: list[str] = Field(default_factory=list, description="Host names open mode answers besides loopback")
 
     @model_validator(mode="after")
     def _expand(self) -> "Settings":

@@ -18,7 +18,7 @@ from litestar.static_files import create_static_files_router
 from chatcore.config import Settings
 from chatcore.models.loader import LoadedModel
 from chatcore.server import openai_routes, ops_routes, session_routes
-from chatcore.server.auth import Authenticator
+from chatcore.server.auth import Authenticator, host_allowed
 from chatcore.server.errors import (
     ApiError,
     api_error_handler,
@@ -56,9 +56,13 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> Litesta
         text/plain with no CORS preflight) are refused by the rule the WebSocket upgrade uses: in open mode,
         any web page could otherwise create sessions and run completions on a local server. Before the body
         is read; clients that are not browsers send no Origin."""
-        if origin_allowed(request, settings.allowed_origins):
-            return None
-        return Response({"error": {"code": "unauthorized", "message": "origin not allowed"}}, status_code=403)
+        if not origin_allowed(request, settings.allowed_origins):
+            return Response({"error": {"code": "unauthorized", "message": "origin not allowed"}}, status_code=403,
+                            media_type=MediaType.JSON)
+        if not await host_allowed(request, request.app.state.auth, settings.allowed_hosts):
+            return Response({"error": {"code": "unauthorized", "message": "host not allowed in open mode"}},
+                            status_code=403, media_type=MediaType.JSON)
+        return None
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:

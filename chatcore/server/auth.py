@@ -7,6 +7,7 @@ clients always send one. As soon as a key exists, every protected route needs on
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from dataclasses import dataclass
 from typing import Any, cast
@@ -70,3 +71,27 @@ def _bearer(header: str | None) -> str | None:
         return None
     scheme, _, value = header.partition(" ")
     return value.strip() or None if scheme.lower() == "bearer" else None
+
+
+def _is_loopback_name(hostname: str) -> bool:
+    if hostname == "localhost" or hostname.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(hostname).is_loopback
+    except ValueError:
+        return False
+
+
+async def host_allowed(connection: ASGIConnection, auth: Authenticator, allowed_hosts: list[str]) -> bool:
+    """Open mode answers only to loopback names (or `CHATCORE_ALLOWED_HOSTS`).
+
+    Without this, a web page on a name that resolves to 127.0.0.1 (DNS rebinding) would be
+    "same origin" with the local server and could read every session. Keyed mode needs a key
+    the page does not have, so any Host is fine there.
+    """
+    if not await auth.open_mode():
+        return True
+    host = connection.headers.get("host", "")
+    hostname = host[1:host.index("]")] if host.startswith("[") and "]" in host else host.rsplit(":", 1)[0]
+    return _is_loopback_name(hostname.lower()) or hostname.lower() in {h.lower() for h in allowed_hosts} \
+        or "*" in allowed_hosts

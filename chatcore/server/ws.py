@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 from litestar import WebSocket, websocket
 from litestar.connection import ASGIConnection
 
-from chatcore.server.auth import Authenticator, Principal
+from chatcore.server.auth import Authenticator, Principal, host_allowed
 from chatcore.server.errors import ApiError, from_session_error
 from chatcore.server.params import sampling_params
 from chatcore.server.services import Services
@@ -237,11 +237,12 @@ def _optional_str(frame: dict[str, Any], name: str, limit: int) -> str | None:
 async def chat_socket(socket: WebSocket) -> None:
     services: Services = socket.app.state.services
     settings = services.settings
-    if not origin_allowed(socket, settings.allowed_origins):
-        await socket.close(code=CLOSE_POLICY, reason="origin not allowed")
+    auth: Authenticator = socket.app.state.auth
+    if not origin_allowed(socket, settings.allowed_origins) or not await host_allowed(
+            socket, auth, settings.allowed_hosts):
+        await socket.close(code=CLOSE_POLICY, reason="origin or host not allowed")
         return
     await socket.accept()
-    auth: Authenticator = socket.app.state.auth
     try:
         principal = await auth.principal(socket)
     except ApiError as exc:
