@@ -220,3 +220,31 @@ def gemm_flops(dtype: torch.dtype, m: int, k: int, n: int, reps: int = 20) -> fl
             torch.mm(a, b)
         samples.append((time.perf_counter() - t0) / inner)
     return 2 * m * k * n / median(samples)
+
+
+def model_gemm_seconds(config: Any, dtype: torch.dtype, rows: int, reps: int = 5) -> float:
+    """Seconds for every matmul of one forward step over `rows` tokens, with distinct weights per
+    layer (as in the model: they stream from memory, they do not sit in cache), LM head included."""
+    hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv = config.num_key_value_heads * head_dim
+    shapes = [(hidden, heads * head_dim), (hidden, kv), (hidden, kv), (heads * head_dim, hidden),
+              (hidden, inter), (hidden, inter), (inter, hidden)]
+    weights = [[torch.randn(k, n).to(dtype) for k, n in shapes] for _ in range(layers)]
+    head = torch.randn(hidden, config.vocab_size).to(dtype)
+    inputs = {k: torch.randn(rows, k).to(dtype) for k in {k for k, _ in shapes} | {hidden}}
+
+    def step() -> None:
+        for layer in weights:
+            for w in layer:
+                torch.mm(inputs[w.shape[0]], w)
+        torch.mm(inputs[hidden], head)
+
+    step()
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        samples.append(time.perf_counter() - t0)
+    return median(samples)

@@ -62,9 +62,15 @@ def markdown_table(data: dict[str, Any]) -> str:
         lim = suites["throughput"].get("limit", {})
         if lim:
             lines.append("")
-            lines.append(f"chatcore's batched decode reaches {_num(lim.get('chatcore_decode_fraction', 0) * 100)}% of "
-                         f"this CPU's measured GEMM rate ({_num(lim.get('gemm_flops', 0) / 1e9)} GFLOP/s at "
-                         f"{'x'.join(str(d) for d in lim.get('gemm_shape', []))}).")
+            lines.append(f"Physical limit: chatcore's batched decode ({_num(thr['chatcore'].get('decode_tok_s'))} tok/s, "
+                         f"{_num(lim.get('chatcore_decode_flops', 0) / 1e9)} GFLOP/s of model FLOPs) reaches "
+                         f"{_num(lim.get('chatcore_decode_fraction', 0) * 100)}% of this CPU's measured GEMM rate "
+                         f"({_num(lim.get('gemm_flops', 0) / 1e9)} GFLOP/s at "
+                         f"{'x'.join(str(d) for d in lim.get('gemm_shape', []))}, weights in cache)"
+                         + (f", and {_num(lim['chatcore_decode_fraction_of_streaming'] * 100)}% of the "
+                            f"{_num(lim['streaming_gemm_ceiling_tok_s'])} tok/s that one step's matmuls allow when "
+                            f"the weights stream from memory ({_num(lim['streaming_gemm_step_ms'])} ms per step)."
+                            if "streaming_gemm_ceiling_tok_s" in lim else "."))
     for name, s in suites.items():
         if s.get("error"):
             lines.append(f"\nSuite {name} failed: {s['error']}")
