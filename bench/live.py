@@ -36,6 +36,25 @@ def start(ctx: Context, data_dir: Path, **extra: Any) -> Any:
     return start_server(data_dir, **server_settings(ctx, **extra))
 
 
+def start_many(ctx: Context, specs: dict[str, tuple[Path, dict[str, Any]]]) -> dict[str, Any]:
+    """Start several servers at once (model loading overlaps); stops the started ones on failure."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = {name: pool.submit(start, ctx, root, **extra) for name, (root, extra) in specs.items()}
+    started, error = {}, None
+    for name, future in futures.items():
+        try:
+            started[name] = future.result()
+        except Exception as exc:
+            error = exc
+    if error is not None:
+        for server in started.values():
+            server.stop()
+        raise error
+    return started
+
+
 @dataclass
 class TurnResult:
     done: dict[str, Any]

@@ -38,7 +38,7 @@ def sizes(ctx: Context) -> dict[str, Any]:
     if ctx.tiny:
         return {"lengths": [160], "repeats": 1, "user_tokens": 60}
     if ctx.quick:
-        return {"lengths": [500, 2000], "repeats": 1, "user_tokens": 300}
+        return {"lengths": [2000], "repeats": 1, "user_tokens": 300}
     return {"lengths": [500, 1000, 2000], "repeats": 3, "user_tokens": 300}
 
 
@@ -112,9 +112,10 @@ def run(ctx: Context) -> dict[str, Any]:
             shutil.copy(db, root_c / db.name)
         resumed: dict[str, list[tuple[int, dict]]] = {"disk": [], "recompute": []}
         ctx.log("  servers B (disk tier) and C (recompute): resuming, alternately")
-        servers = {"disk": live.start(ctx, root, kv_disk_gb=2)}
+        servers: dict[str, Any] = {}
         try:
-            servers["recompute"] = live.start(ctx, root_c, kv_disk_gb=0)
+            servers.update(live.start_many(ctx, {"disk": (root, {"kv_disk_gb": 2}),
+                                                 "recompute": (root_c, {"kv_disk_gb": 0})}))
             for server in servers.values():
                 asyncio.run(_warm(server, tok))
             for (length, _, mode), b in zip(plan, built, strict=True):
