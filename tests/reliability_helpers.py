@@ -35,7 +35,7 @@ SHARED_SYSTEM = ("You are Atlas, the support assistant of the Northwind travel a
                  "to fourteen days before departure, minus a handling fee of twenty euros.")
 QUESTIONS = ["When are you open?", "Can I get a refund?", "What about luggage?", "Do you sell insurance?",
              "How do I change a booking?", "Thanks, anything else?", "Where is your office?"]
-LONG_ANSWER = "Count from 1 to 1000, one number per line."  # greedy: runs to max_tokens
+LONG_ANSWER = "Count from 1 to 1000, one number per line."  # with ignore_eos, runs to max_tokens
 FIGURES_FILE = os.environ.get("CHATCORE_RELIABILITY_FIGURES")  # optional: append each test's figures (JSON lines)
 
 

@@ -51,16 +51,20 @@ def test_shared_system_prompt_hits_the_prefix_cache(make_core, loaded_fp32, refe
     core = make_core()
     prompts = [chat_ids(loaded_fp32.tokenizer, q, LONG_SYSTEM) for q in QUESTIONS]
     requests = [core.make_request(p, SamplingParams(max_tokens=m)) for p, m in zip(prompts, MAX_TOKENS, strict=True)]
-    core.add(requests[0])
-    core.step()  # the first prompt is computed and its full blocks hashed
-    for req in requests[1:]:
+    computed = {"prefill": 0}
+    core.on_step.append(lambda plan: computed.update(prefill=computed["prefill"] + sum(
+        e.num_tokens for e in plan.prefill)))
+    for req in requests:  # all at once: the shared blocks are computed by the first, then found by the rest
         core.add(req)
     finals = _check_all(core, requests, reference, prompts)
+    core.on_step.clear()
     shared = len(chat_ids(loaded_fp32.tokenizer, "", LONG_SYSTEM)) - 8
     shared_blocks = shared // core.pool.block_size
     assert finals[requests[0].request_id].usage.cached_tokens == 0
     for req in requests[1:]:
         assert finals[req.request_id].usage.cached_tokens >= shared_blocks * core.pool.block_size
+    assert computed["prefill"] == sum(len(p) - finals[r.request_id].usage.cached_tokens
+                                      for p, r in zip(prompts, requests, strict=True))
 
 
 def test_small_pool_preempts_and_still_matches(make_core, loaded_fp32, reference) -> None:

@@ -58,11 +58,12 @@ async def storm_client(server, index: int, storm: Storm, rng: random.Random) -> 
     reconnects = index % 2 == 0
     out = Outcome(index, reconnects, rng.choice(["abort", "close"]))
     chat = Chat(server)
-    # Abandoned turns use the default system prompt, on which the greedy count runs on past the grace period.
     await chat.hello(system_prompt=private_system(f"storm-{index}") if reconnects and index % 4 else None)
     out.session_id = chat.session_id
     max_tokens = storm.answer_tokens if reconnects else storm.endless_tokens
-    turn = await chat.send_user(LONG_ANSWER, {**GREEDY, "max_tokens": max_tokens}, client_id=f"q{index}")
+    # An abandoned turn ignores end-of-sequence, so it cannot finish within the grace period.
+    params = {**GREEDY, "max_tokens": max_tokens, "ignore_eos": not reconnects}
+    turn = await chat.send_user(LONG_ANSWER, params, client_id=f"q{index}")
     drop_after = rng.randint(0, storm.answer_tokens // 2)  # 0: right after `start`
     async with asyncio.timeout(600):
         while not any(f["type"] == "start" for f in turn.frames):

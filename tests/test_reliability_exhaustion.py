@@ -53,8 +53,8 @@ def worst_case_blocks(prompt_tokens: int, max_tokens: int) -> int:
 async def one_request(server, index: int, ex: Exhaustion) -> tuple[Chat, Turn]:
     chat = Chat(server)
     await chat.hello()
-    # The same greedy count in every session: it runs to max_tokens, so the answers' blocks are real demand.
-    turn = await chat.send_user(LONG_ANSWER, {**GREEDY, "max_tokens": ex.max_tokens})
+    # The same greedy count in every session, run to max_tokens, so the answers' blocks are real demand.
+    turn = await chat.send_user(LONG_ANSWER, {**GREEDY, "max_tokens": ex.max_tokens, "ignore_eos": True})
     await chat.until_done(turn, timeout=900)
     await chat.close()
     return chat, turn

@@ -77,7 +77,7 @@ async def test_dropped_turn_ends_disconnected_and_releases_its_blocks(grace, how
         session = await hello(ws)
         sid = session["session_id"]
         await ws.send(json.dumps({"type": "user", "id": "long", "content": "Count from 1 to 1000, one per line.",
-                                  "params": {"temperature": 0, "max_tokens": MAX_TOKENS}}))
+                                  "params": {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}}))
         seen = await until_tokens(ws, 3)
         if how == "abort":
             ws.transport.abort()  # no close frame: the TCP connection just goes away

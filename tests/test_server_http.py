@@ -318,7 +318,8 @@ async def test_concurrent_turns_per_tenant_limit(limits) -> None:
         await hello(a)
         session_b = await hello(b)
         await a.send(json.dumps({"type": "user", "id": "long", "content": "Count from 1 to 300, one per line.",
-                                 "params": {"temperature": 0, "max_tokens": MAX_TOKENS_LIMIT}}))
+                                 "params": {"temperature": 0, "max_tokens": MAX_TOKENS_LIMIT,
+                                            "ignore_eos": True}}))
         await until_tokens(a, 1)  # A's turn is running
         await expect_error(b, {"type": "user", "id": "b1", "content": "Hi", "params": GREEDY}, "busy")
         resp = raw(limits, "POST", "/v1/chat/completions",

@@ -94,6 +94,8 @@ async def test_malformed_frames_get_errors_and_the_socket_lives(live_server) -> 
                      "bad_request")
         await expect(json.dumps({"type": "user", "id": "d", "content": "hi", "params": {"bogus": 1}}),
                      "bad_request")
+        await expect(json.dumps({"type": "user", "id": "d2", "content": "hi", "params": {"ignore_eos": 1}}),
+                     "bad_request")
         await expect(json.dumps({"type": "user", "id": "e", "content": "hi", "params": {"max_tokens": 10**9}}),
                      "too_large")
         await expect(json.dumps({"type": "user", "id": "f", "content": "word " * 5000}), "too_large")

@@ -18,7 +18,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from chatcore.cache import BlockTable
+from chatcore.cache import BlockTable, chain_hashes
 
 
 class RequestState(enum.Enum):
@@ -131,10 +131,17 @@ class Request:
     finished_at: float | None = None
     token_times: list[float] = field(default_factory=list)
     error: str | None = None
+    _prompt_hashes: list[bytes] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.seqs:
             self.seqs = [Sequence(0, list(self.prompt), len(self.prompt))]
+
+    def prompt_hashes(self, block_size: int) -> list[bytes]:
+        """The prefix-cache keys of the prompt's full blocks (set `salt` first); computed once."""
+        if self._prompt_hashes is None:
+            self._prompt_hashes = chain_hashes(self.prompt, block_size, self.salt)
+        return self._prompt_hashes
 
     @property
     def live_seqs(self) -> list[Sequence]:

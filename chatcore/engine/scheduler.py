@@ -9,7 +9,9 @@ Each `schedule()` builds one engine step:
    it is itself the youngest, it is preempted.
 3. If nothing was preempted, waiting requests are admitted in arrival order while the token
    budget, the sequence cap and the low watermark allow. Admission looks up the longest
-   cached prefix, so only uncached tokens are computed.
+   cached prefix, so only uncached tokens are computed. A request whose next uncached block
+   is being computed right now by a running prefill (many users opening chats on one system
+   prompt at once) waits a step or so for it instead of computing it a second time.
 A request that could never fit (its prompt and max_tokens over the pool or the context) is
 refused in `add`, so a lone running request can always make progress: no deadlock.
 """
@@ -222,25 +224,27 @@ class Scheduler:
         return ScheduledSeq(req, seq, start, count, slots, copies)
 
     def _admit(self, plan: StepPlan) -> None:
+        inflight = {h for r in self.running for h in self._inflight(r)}
+        deferred: list[Request] = []
         while self.waiting and self._budget > 0:
             req = self.waiting[0]
             seqs = req.live_seqs
             if self.num_running_seqs + len(seqs) > self.max_num_seqs:
-                return
+                break
             given = req.prefix_table
             tables = self._prefix_tables(req, seqs)
+            if self._next_block_inflight(req, tables[0], inflight):
+                self._unwind(req, given, tables)
+                deferred.append(self.waiting.popleft())
+                continue
             needed = sum(-(-len(s.tokens) // self.block_size) - len(t) for s, t in zip(seqs, tables, strict=True))
             fits = self.pool.can_admit(needed) or (not self.running and self.pool.can_allocate(needed))
             if not fits and self.reclaim is not None:
                 self.reclaim(needed + self.pool.low_watermark_blocks)
                 fits = self.pool.can_admit(needed)
             if not fits:
-                for table in tables:
-                    if table is given:
-                        req.prefix_table = given
-                    else:
-                        table.release()
-                return
+                self._unwind(req, given, tables)
+                break
             self.waiting.popleft()
             for seq, table in zip(seqs, tables, strict=True):
                 seq.table = table
@@ -256,6 +260,37 @@ class Scheduler:
                     continue
                 plan.prefill.append(self._reserve(req, seq, count))
                 self._budget -= count
+            inflight.update(self._inflight(req))
+        self.waiting.extendleft(reversed(deferred))
+
+    @staticmethod
+    def _unwind(req: Request, given: BlockTable | None, tables: list[BlockTable]) -> None:
+        """Give back the tables `_prefix_tables` took for a request that stays waiting."""
+        for table in tables:
+            if table is given:
+                req.prefix_table = given
+            else:
+                table.release()
+
+    def _inflight(self, req: Request) -> list[bytes]:
+        """Hashes of the prompt blocks a running request is computing and has not committed yet."""
+        seq = req.seqs[0]
+        if seq.finished or seq.table is None:
+            return []
+        return req.prompt_hashes(self.block_size)[seq.num_computed // self.block_size:]
+
+    def _next_block_inflight(self, req: Request, table: BlockTable, inflight: set[bytes]) -> bool:
+        """True if the first block `req` would compute is being computed by a running request.
+
+        Such a request waits: the block is committed at the end of the step that computes it,
+        and a later step finds it in the prefix cache, so concurrent first turns on one system
+        prompt compute it once. The wait is bounded, since running prefills always progress.
+        """
+        if not inflight:
+            return False
+        hashes = req.prompt_hashes(self.block_size)
+        reusable = min(len(hashes), (len(req.prompt) - 1) // self.block_size)  # as in `_prefix_tables`
+        return len(table) < reusable and hashes[len(table)] in inflight
 
     def _prefix_tables(self, req: Request, seqs: list[Sequence]) -> list[BlockTable]:
         """Each sequence's starting table: the handed-over session chain, or a prefix-cache hit.

@@ -28,7 +28,7 @@ from chatcore.server.ws import arm_grace
 OPENAI_PARAMS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed", "stop", "user",
                  "stream", "stream_options", "messages", "model", "frequency_penalty", "presence_penalty",
                  "logit_bias", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
-                 "parallel_tool_calls", "metadata", "store", "service_tier", "top_k"}
+                 "parallel_tool_calls", "metadata", "store", "service_tier", "top_k", "ignore_eos"}
 ROLES = {"system", "user", "assistant", "developer"}
 
 
@@ -153,7 +153,7 @@ async def chat_completions(request: Request[Any, Any, Any], data: dict[str, Any]
     if unknown:
         raise ApiError("bad_request", f"unsupported fields: {', '.join(unknown)}")
     messages = parse_messages(data.get("messages"))
-    raw = {k: data[k] for k in ("temperature", "top_p", "n", "seed", "stop", "top_k") if data.get(k) is not None}
+    raw = {k: data[k] for k in ("temperature", "top_p", "n", "seed", "stop", "top_k", "ignore_eos") if data.get(k) is not None}
     max_tokens = data.get("max_completion_tokens", data.get("max_tokens"))
     if max_tokens is not None:
         raw["max_tokens"] = max_tokens

@@ -12,7 +12,7 @@ from chatcore.server.errors import ApiError
 MAX_N = 8
 MAX_STOPS = 4
 MAX_STOP_CHARS = 64
-WS_PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop"}
+WS_PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "ignore_eos"}
 
 
 def _int(name: str, value: Any, low: int, high: int) -> int:
@@ -64,5 +64,8 @@ def sampling_params(raw: Any, settings: Settings, *, allowed: set[str] = WS_PARA
     top_k = _int("top_k", raw["top_k"], 0, 1_000_000) if raw.get("top_k") is not None else 0
     seed = _int("seed", raw["seed"], -(2**63), 2**63 - 1) if raw.get("seed") is not None else None
     n = _int("n", raw["n"], 1, MAX_N) if raw.get("n") is not None else 1
+    ignore_eos = raw.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ApiError("bad_request", "ignore_eos must be a boolean")
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
-                          stop=parse_stop(raw.get("stop")))
+                          stop=parse_stop(raw.get("stop")), ignore_eos=ignore_eos)
