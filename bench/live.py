@@ -80,9 +80,9 @@ class ClientSession:
     resume_token: str
     turns: list[TurnResult] = field(default_factory=list)
 
-    async def turn(self, content: str, max_tokens: int) -> TurnResult:
+    async def turn(self, content: str, max_tokens: int, ignore_eos: bool = False) -> TurnResult:
         frame = {"type": "user", "id": uuid.uuid4().hex, "content": content,
-                 "params": {"max_tokens": max_tokens, "temperature": 0}}
+                 "params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos}}
         sent = time.perf_counter()
         await self.ws.send(json.dumps(frame))
         first: float | None = None

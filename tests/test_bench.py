@@ -15,7 +15,6 @@ import pytest
 from bench import hitrate, memory
 from bench.workload import TraceConfig, generate
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_trace_is_deterministic_and_shaped() -> None:
@@ -72,8 +71,10 @@ def test_memory_schemes_on_a_small_trace() -> None:
 @pytest.mark.model
 def test_bench_all_quick_tiny(tmp_path: Path, default_model_dir: Path) -> None:
     env = {**os.environ, "CHATCORE_BENCH_TINY": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-m", "chatcore.cli", "bench", "--suite", "all", "--quick",
-                           "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    # The installed console script, from outside the checkout: `bench` must be part of the install.
+    script = Path(sys.executable).with_name("chatcore")
+    proc = subprocess.run([str(script), "bench", "--suite", "all", "--quick", "--out", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["machine"]["tiny"] and data["machine"]["cpu"] and data["machine"]["torch"]

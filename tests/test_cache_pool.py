@@ -293,21 +293,63 @@ def test_audit_names_offending_blocks_and_tables() -> None:
 
 
 def test_cost_policy_keeps_popular_prefixes_over_recent_lone_tails() -> None:
-    def scenario(policy: str) -> bool:
-        pool = BlockPool(4, 2, eviction=policy)
+    def scenario(policy: str) -> tuple[bool, list[int]]:
+        pool = BlockPool(5, 2, eviction=policy)
         shared = [1, 2]
-        popular = filled_table(pool, shared, "popular")
-        popular.release()
-        for _ in range(3):  # three more sessions find the shared block
-            filled_table(pool, shared + [9], "reader").release()
-        lone = filled_table(pool, [7, 7], "lone")
-        lone.release()  # the most recent cached-free block, but never hit
+        filled_table(pool, shared, "popular").release()
+        # Three conversations continue the shared block, each with its own full block.
+        readers = [filled_table(pool, shared + [10 + r, 10 + r], "reader") for r in range(3)]
+        tails = [t.block_ids[1] for t in readers]
+        for table in readers:
+            table.release()
+        filled_table(pool, [7, 7], "lone").release()  # the most recent cached-free block, never continued
+        evicted: list[int] = []
+        pool.on_evict = lambda block_id, _hash, _tokens: evicted.append(block_id)
         hog = BlockTable(pool, "hog")
-        hog.append_slots(2 * 3)  # free blocks first, then one eviction
+        hog.append_slots(2 * 4)  # four evictions
         survived = longest_prefix(pool.find, shared, 2, SALT)[0] != []
         hog.release()
         assert_clean(pool)
-        return survived
+        assert evicted[:3] == tails  # both policies: the leaves go first, least recent first
+        return survived, evicted
 
-    assert scenario("cost") is True
-    assert scenario("lru") is False
+    assert scenario("cost")[0] is True  # the lone tail went instead of the block three chats share
+    assert scenario("lru")[0] is False
+
+
+def test_cost_policy_never_evicts_a_block_whose_continuation_is_cached() -> None:
+    """A parent evicted before its child leaves the child unreachable: wasted space. LRU can do
+    that after a hit touched the chain's head; the cost policy takes leaves first."""
+    def victims(policy: str) -> tuple[list[int], list[int]]:
+        pool = BlockPool(4, 2, eviction=policy)
+        chain = filled_table(pool, [1, 2, 3, 4, 5, 6], "chain")
+        blocks = list(chain.block_ids)
+        chain.release()
+        other = filled_table(pool, [9, 9], "other")
+        blocks.append(other.block_ids[0])
+        other.release()
+        assert longest_prefix(pool.find, [1, 2, 3, 4], 2, SALT)[0] == blocks[:2]  # touches root, middle
+        evicted: list[int] = []
+        pool.on_evict = lambda block_id, _hash, _tokens: evicted.append(block_id)
+        hog = BlockTable(pool, "hog")
+        hog.append_slots(2 * 3)
+        hog.release()
+        assert_clean(pool)
+        return blocks, evicted
+
+    (root, middle, tail, other), evicted = victims("cost")
+    assert evicted == [tail, other, middle]  # the root, with a cached child, stays
+    (root, middle, tail, other), evicted = victims("lru")
+    assert evicted == [tail, other, root]  # the middle block is now unreachable
+
+
+def test_audit_recounts_the_children_the_cost_policy_relies_on() -> None:
+    pool = BlockPool(4, 2, eviction="cost")
+    table = filled_table(pool, [1, 2, 3, 4], "chain")
+    assert pool.children_counts() == {table.hashes[0]: 1}
+    assert_clean(pool)
+    pool._children[table.hashes[1]] = 1  # a count with no child behind it
+    assert any("hashed children" in v for v in audit(pool).violations)
+    del pool._children[table.hashes[1]]
+    table.release()
+    assert_clean(pool)

@@ -5,6 +5,7 @@ Checked:
 * each block is exactly one of free, cached-free (ref 0, hashed, indexed) and in use (ref > 0);
 * each block's ref equals the number of table entries that map it;
 * the prefix index and the blocks' hashes agree, and free blocks carry no hash;
+* the pool's per-hash count of hashed children (the cost policy's leaf test) is exact;
 * each table maps ceil(num_tokens / block_size) distinct blocks, and hashes only full ones;
 * free + cached + used == total, and the sum of refs == the sum of table lengths.
 """
@@ -109,6 +110,9 @@ def audit(pool: BlockPool) -> AuditReport:
     for block_hash, bid in index.items():
         if not 0 <= bid < len(pool.blocks) or pool.blocks[bid].hash != block_hash:
             violations.append(f"index entry {block_hash.hex()[:12]} points at block {bid} with another hash")
+    children = Counter(b.parent_hash for b in pool.blocks if b.hash is not None and b.parent_hash is not None)
+    if dict(children) != pool.children_counts():
+        violations.append("the pool's counts of hashed children disagree with the blocks' parent hashes")
     for bid in mapped:
         if not 0 <= bid < len(pool.blocks):
             violations.append(f"a table maps unknown block {bid}")

@@ -12,10 +12,11 @@ Invariants (checked by `chatcore.cache.audit`):
   the free queue. Callers release a table deepest block first, so among blocks freed together
   the longest-prefix ones are evicted first and shared roots survive.
 * Eviction policy `lru` takes the least recently used cached-free block. Policy `cost` looks at
-  the `COST_WINDOW` least recently used ones and takes the one with the fewest prefix hits
-  (ties: the least recent). A lookup walks a chain from its root, so an ancestor has at least
-  as many hits as its descendants: popular prefixes (system prompts) outlive lone tails, and a
-  chain still loses its tail before its root.
+  the `COST_WINDOW` least recently used ones and takes, in this order: one with no hashed block
+  continuing it (a leaf: evicting a parent first would strand its children, unreachable), then
+  one from which the fewest conversations ever branched (`fanout`: a system prompt's last
+  block outlives a lone tail), then the least recent. `_children` counts, per hash, the hashed
+  blocks whose parent it is; the audit recounts it.
 * Block ids never change: the pool grows by appending ids and shrinks only from the top.
 """
 
@@ -45,7 +46,8 @@ class Block:
     hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None
     alloc_site: str | None = None
-    hits: int = 0
+    parent_hash: bytes | None = None
+    fanout: int = 0  # hashed children ever registered under this block
 
 
 @dataclass(slots=True)
@@ -87,6 +89,8 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict()
         self._lru: OrderedDict[int, None] = OrderedDict()
         self.index = PrefixIndex()
+        # hash -> how many hashed blocks continue it: the cached chains that die with it.
+        self._children: dict[bytes, int] = {}
         self._tables: dict[int, BlockTable] = {}
         self.evictions = 0
         self.grow(num_blocks)
@@ -149,7 +153,6 @@ class BlockPool:
                 self._lru[block_id] = None
             else:
                 block.token_ids = None
-                block.hits = 0
                 self._free[block_id] = None
 
     def allocate(self, after: int | None = None) -> int:
@@ -177,12 +180,14 @@ class BlockPool:
     def _victim(self) -> int:
         if self.eviction == "lru":
             return next(iter(self._lru))
-        best, best_hits = -1, -1
+        best, best_key = -1, (0, 0)
         for count, block_id in enumerate(self._lru):
-            hits = self.blocks[block_id].hits
-            if best < 0 or hits < best_hits:
-                best, best_hits = block_id, hits
-            if count + 1 >= COST_WINDOW or best_hits == 0:
+            block = self.blocks[block_id]
+            assert block.hash is not None
+            key = (self._children.get(block.hash, 0), block.fanout)
+            if best < 0 or key < best_key:
+                best, best_key = block_id, key
+            if count + 1 >= COST_WINDOW or best_key == (0, 0):
                 break
         return best
 
@@ -192,13 +197,21 @@ class BlockPool:
         if self.on_evict is not None:
             self.on_evict(block_id, block.hash, block.token_ids)
         self.index.remove(block.hash, block_id)
+        if block.parent_hash is not None:
+            left = self._children[block.parent_hash] - 1
+            if left:
+                self._children[block.parent_hash] = left
+            else:
+                del self._children[block.parent_hash]
         block.hash = None
+        block.parent_hash = None
         block.token_ids = None
-        block.hits = 0
+        block.fanout = 0
         self.evictions += 1
 
     # ----- prefix sharing ------------------------------------------------------------------
-    def register(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> bool:
+    def register(self, block_id: int, block_hash: bytes, token_ids: Sequence[int],
+                 parent_hash: bytes | None = None) -> bool:
         """Make a full, in-use block findable by its content hash.
 
         Returns False when another block already holds the same content: this one then
@@ -215,6 +228,12 @@ class BlockPool:
             return False
         block.hash = block_hash
         block.token_ids = tuple(token_ids)
+        if parent_hash is not None:
+            block.parent_hash = parent_hash
+            self._children[parent_hash] = self._children.get(parent_hash, 0) + 1
+            parent_id = self.index.get(parent_hash)
+            if parent_id is not None:
+                self.blocks[parent_id].fanout += 1
         return True
 
     def find(self, block_hash: bytes, token_ids: Sequence[int]) -> int | None:
@@ -225,7 +244,6 @@ class BlockPool:
         block = self.blocks[block_id]
         if block.token_ids != tuple(token_ids):
             return None
-        block.hits += 1
         if block_id in self._lru:
             self._lru.move_to_end(block_id)
         return block_id
@@ -284,6 +302,9 @@ class BlockPool:
         return list(self._tables.values())
 
     # ----- inspection ----------------------------------------------------------------------
+    def children_counts(self) -> dict[bytes, int]:
+        return dict(self._children)
+
     def ref(self, block_id: int) -> int:
         return self._block(block_id).ref
 

@@ -125,9 +125,10 @@ class BlockTable:
         parent = self.hashes[-1] if self.hashes else ROOT_HASH
         for i in range(len(self.hashes), full):
             block_tokens = token_ids[i * bs:(i + 1) * bs]
-            parent = hash_block(parent, block_tokens, salt)
-            self.pool.register(self.block_ids[i], parent, block_tokens)
-            self.hashes.append(parent)
+            block_hash = hash_block(parent, block_tokens, salt)
+            self.pool.register(self.block_ids[i], block_hash, block_tokens, None if i == 0 else parent)
+            self.hashes.append(block_hash)
+            parent = block_hash
             added += 1
         return added
 
