@@ -1,13 +1,18 @@
-"""A WebSocket client for real `chatcore serve` processes (the resume and server suites).
+"""Real `chatcore serve` processes and a WebSocket client for them (the resume and server suites).
 
-Servers are started with `tests.server_helpers.start_server` (a free loopback port, open mode,
-CHATCORE_* settings from keyword arguments); the bench's own settings (model, dtype, block
-size, threads) are passed on so the server runs what the in-process suites run.
+A server runs in open mode on a free loopback port with CHATCORE_* settings from keyword
+arguments; the bench's own settings (model, dtype, block size, threads) are passed on so the
+server runs what the in-process suites run.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -17,8 +22,31 @@ from typing import Any
 import websockets
 
 from bench.common import Context
+from chatcore.cluster import free_port, wait_http
 
 TURN_TIMEOUT_S = 600
+STARTUP_TIMEOUT_S = 300
+
+
+@dataclass
+class Server:
+    base_url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def ws_url(self) -> str:
+        return self.base_url.replace("http://", "ws://") + "/v1/ws"
+
+    def stop(self) -> None:
+        """SIGTERM (the server drains and flushes the disk tier), then a kill after 60 s."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def server_settings(ctx: Context, **extra: Any) -> dict[str, str]:
@@ -30,13 +58,27 @@ def server_settings(ctx: Context, **extra: Any) -> dict[str, str]:
     return {k: str(v) for k, v in settings.items()}
 
 
-def start(ctx: Context, data_dir: Path, **extra: Any) -> Any:
-    from tests.server_helpers import start_server
+def start(ctx: Context, data_dir: Path, **extra: Any) -> Server:
+    """Start `chatcore serve` on `data_dir`; returns once /healthz answers."""
+    port = free_port()
+    env = {**os.environ, "CHATCORE_DATA_DIR": str(data_dir), "CHATCORE_PORT": str(port),
+           "CHATCORE_HOST": "127.0.0.1"}
+    env.update({f"CHATCORE_{k.upper()}": v for k, v in server_settings(ctx, **extra).items()})
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log_path = data_dir / f"server-{port}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "chatcore.cli", "serve"], env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    server = Server(f"http://127.0.0.1:{port}", proc, log_path)
+    try:
+        wait_http(server.base_url + "/healthz", STARTUP_TIMEOUT_S, alive=lambda: proc.poll() is None)
+    except (RuntimeError, TimeoutError) as exc:
+        server.stop()
+        raise RuntimeError(f"{exc}:\n{log_path.read_text(errors='replace')[-4000:]}") from exc
+    return server
 
-    return start_server(data_dir, **server_settings(ctx, **extra))
 
-
-def start_many(ctx: Context, specs: dict[str, tuple[Path, dict[str, Any]]]) -> dict[str, Any]:
+def start_many(ctx: Context, specs: dict[str, tuple[Path, dict[str, Any]]]) -> dict[str, Server]:
     """Start several servers at once (model loading overlaps); stops the started ones on failure."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -88,7 +130,6 @@ class ClientSession:
         first: float | None = None
         count = 0
         text = []
-        import asyncio
 
         async with asyncio.timeout(TURN_TIMEOUT_S):
             while True:
@@ -110,7 +151,7 @@ class ClientSession:
                     return result
 
 
-async def connect(server: Any, system_prompt: str | None = None, session_id: str | None = None,
+async def connect(server: Server, system_prompt: str | None = None, session_id: str | None = None,
                   resume_token: str | None = None) -> ClientSession:
     ws = await websockets.connect(server.ws_url, max_size=None, open_timeout=60, ping_interval=None)
     await ws.send(json.dumps({"type": "hello", "session_id": session_id, "resume_token": resume_token,
