@@ -66,7 +66,7 @@ def _plot_multiturn(r: dict[str, Any], out: Path) -> list[str]:
 def _plot_hitrate(r: dict[str, Any], out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     fractions = [row["cache_fraction"] for row in r["rows"]]
-    labels = {"lru": "LRU", "pool_cost": "pool's cost policy (fewest hits of 16 LRU; default)",
+    labels = {"lru": "LRU", "pool_cost": "pool's cost policy (leaves, then least branched, of 16 LRU; default)",
               "cost_aware": "GreedyDual over leaves, cost = tokens x sharers", "gd_flops": "GreedyDual, cost = FLOPs at depth"}
     for policy, style in (("lru", "o-"), ("pool_cost", "d-."), ("cost_aware", "s--"), ("gd_flops", "^:")):
         if policy in r["rows"][0]:

@@ -45,7 +45,8 @@ class ModelRunner:
         scatter = None
         if len(entries) > 1:
             scatter = torch.cat([torch.arange(q) + i * max_q for i, q in enumerate(q_lens)])
-        return PrefillMeta(tables, mask, scatter, len(entries), max_q, max_ctx)
+        return PrefillMeta(tables, mask, scatter, len(entries), max_q, max_ctx,
+                           start=starts[0] if len(entries) == 1 else 0)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
