@@ -63,7 +63,8 @@ class StepMeta:
 def _prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        meta: PrefillMeta, scaling: float) -> torch.Tensor:
     """q: [T_prefill, heads, D] packed. Returns [T_prefill, heads, D]."""
-    if meta.start and q.device.type == "cpu" and q.shape[1] * meta.max_q * meta.max_ctx <= CONTINUATION_MAX_SCORES:
+    if (meta.start and q.device.type == "cpu" and not q.requires_grad
+            and q.shape[1] * meta.max_q * meta.max_ctx <= CONTINUATION_MAX_SCORES):
         return _continuation_attention(q, key_cache, value_cache, meta, scaling)
     num_seqs, max_q, max_ctx = meta.num_seqs, meta.max_q, meta.max_ctx
     heads, dim = q.shape[1], q.shape[2]
@@ -93,8 +94,9 @@ def _prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: to
 class _Scratch(threading.local):
     """Score buffers reused across layers and steps. A fresh multi-MB tensor per layer costs more
     in page faults than the attention math (malloc returns large blocks to the OS on free).
-    Buffers only grow; one set per inference mode, since inference tensors cannot be written
-    outside it. Results never alias them."""
+    Buffers only grow, to at most `CONTINUATION_MAX_SCORES` elements each (80 MB in all for a
+    bf16 model); one set per inference mode, since inference tensors cannot be written outside
+    it. Results never alias them, and they are not used when autograd could save them."""
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, torch.dtype, bool], torch.Tensor] = {}
