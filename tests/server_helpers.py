@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -117,10 +118,20 @@ def create_key(server: LiveServer, tenant: str, admin: bool = False) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+def wait_for_status(server: LiveServer, path: str, status: int, deadline_s: float) -> None:
+    """Poll GET `path` until it answers `status`: a state the server reaches on its own clock."""
+    deadline = time.monotonic() + deadline_s
+    seen = None
+    while time.monotonic() < deadline:
+        seen = server.get(path)[0]
+        if seen == status:
+            return
+        time.sleep(0.1)  # polling a state with a deadline, not synchronising on work
+    raise AssertionError(f"GET {path} still answered {seen}, not {status}, after {deadline_s:g} s")
+
+
 async def recv_until(ws: Any, kind: str, timeout: float = 120) -> list[dict[str, Any]]:
     """Frames up to and including the first of type `kind`."""
-    import asyncio
-
     frames = []
     async with asyncio.timeout(timeout):
         while True:
@@ -128,6 +139,17 @@ async def recv_until(ws: Any, kind: str, timeout: float = 120) -> list[dict[str,
             frames.append(frame)
             if frame["type"] == kind:
                 return frames
+
+
+async def until_tokens(ws: Any, count: int, timeout: float = 120) -> list[dict]:
+    """Frames up to the `count`-th token of a running turn; fails (never hangs) if the turn ends first."""
+    frames: list[dict] = []
+    async with asyncio.timeout(timeout):
+        while sum(f["type"] == "token" for f in frames) < count:
+            frame = json.loads(await ws.recv())
+            assert frame["type"] not in ("done", "error"), f"the turn ended before {count} tokens: {frames + [frame]}"
+            frames.append(frame)
+    return frames
 
 
 async def hello(ws: Any, **fields: Any) -> dict[str, Any]:

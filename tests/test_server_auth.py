@@ -241,3 +241,23 @@ async def test_open_mode_ignores_any_key(live_server) -> None:
     async with live_server.connect("garbage") as ws:
         session = await hello(ws)
     assert live_server.request("DELETE", f"/v1/sessions/{session['session_id']}")[0] == 204
+
+
+def test_the_first_key_switches_a_running_server_to_keyed_mode(tmp_path) -> None:
+    """`chatcore keys create` on a running open-mode server: a request that presents the new key is
+    served as its tenant at once (never as the local tenant), and keyless requests are refused once
+    the server re-checks (every `OPEN_MODE_RECHECK_S`)."""
+    from chatcore.server.auth import OPEN_MODE_RECHECK_S
+    from tests.server_helpers import wait_for_status
+
+    server = start_server(tmp_path / "switch")
+    try:
+        assert call(server, "GET", "/v1/sessions").status_code == 200  # open: caches the answer
+        carol = create_key(server, "carol")
+        created = call(server, "POST", "/v1/sessions", {"title": "carol's"}, headers=bearer(carol))
+        assert created.status_code == 201
+        mine = call(server, "GET", "/v1/sessions", headers=bearer(carol)).json()
+        assert [s["id"] for s in mine] == [created.json()["id"]]
+        wait_for_status(server, "/v1/sessions", 401, deadline_s=OPEN_MODE_RECHECK_S + 10)
+    finally:
+        server.stop()

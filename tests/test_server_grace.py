@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_helpers import hello, recv_until, start_server
+from tests.server_helpers import hello, recv_until, start_server, until_tokens
 
 pytestmark = pytest.mark.model
 GRACE_S = 1.0
@@ -45,19 +45,6 @@ def audit_after(request):
             server = request.getfixturevalue(name)
             status, body = server.get("/v1/admin/cache")
             assert status == 200 and body["audit"]["ok"], body["audit"]
-
-
-
-
-async def until_tokens(ws, count: int, timeout: float = 120) -> list[dict]:
-    """Frames up to the `count`-th token of a running turn; fails (never hangs) if the turn ends first."""
-    frames: list[dict] = []
-    async with asyncio.timeout(timeout):
-        while sum(f["type"] == "token" for f in frames) < count:
-            frame = json.loads(await ws.recv())
-            assert frame["type"] not in ("done", "error"), f"the turn ended before {count} tokens: {frames + [frame]}"
-            frames.append(frame)
-    return frames
 
 
 async def poll(check, what: str, deadline_s: float = DEADLINE_S):

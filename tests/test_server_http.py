@@ -3,7 +3,6 @@ turns per tenant, WebSocket Origin), against real server processes."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 
@@ -12,7 +11,7 @@ import openai
 import pytest
 import websockets
 
-from tests.server_helpers import hello, recv_until, start_server, turn
+from tests.server_helpers import hello, recv_until, start_server, turn, until_tokens
 
 pytestmark = pytest.mark.model
 FRAME_LIMIT = 1024
@@ -49,21 +48,6 @@ def audit_after(request, live_server):
     for server in servers:
         status, body = server.get("/v1/admin/cache")
         assert status == 200 and body["audit"]["ok"], body["audit"]
-
-
-
-
-
-
-async def until_tokens(ws, count: int, timeout: float = 120) -> list[dict]:
-    """Frames up to the `count`-th token of a running turn; fails (never hangs) if the turn ends first."""
-    frames: list[dict] = []
-    async with asyncio.timeout(timeout):
-        while sum(f["type"] == "token" for f in frames) < count:
-            frame = json.loads(await ws.recv())
-            assert frame["type"] not in ("done", "error"), f"the turn ended before {count} tokens: {frames + [frame]}"
-            frames.append(frame)
-    return frames
 
 
 async def expect_error(ws, payload: dict | str, code: str) -> dict:

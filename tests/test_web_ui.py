@@ -7,7 +7,9 @@ screenshots go to artifacts/ (git-ignored); docs/ui.md says which ones were look
 
 from __future__ import annotations
 
+import os
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -537,10 +539,13 @@ def keyed_server(tmp_path):
     """A second server in keyed mode: an admin key for tenant acme, a plain key for tenant bob."""
     from tests.server_helpers import create_key, start_server
 
-    server = start_server(tmp_path / "keyed")
+    data_dir = tmp_path / "keyed"
+    data_dir.mkdir(parents=True)
+    cli = types.SimpleNamespace(env={**os.environ, "CHATCORE_DATA_DIR": str(data_dir)})
+    keys = {"admin": create_key(cli, "acme", admin=True), "bob": create_key(cli, "bob")}
+    server = start_server(data_dir)  # keys first: keyed from its first request
+    server.keys.update(keys)
     try:
-        server.keys["admin"] = create_key(server, "acme", admin=True)
-        server.keys["bob"] = create_key(server, "bob")
         yield server
     finally:
         server.stop()

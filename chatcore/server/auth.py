@@ -35,10 +35,12 @@ class Authenticator:
         self._open: bool | None = None
         self._checked_at = 0.0
 
-    async def open_mode(self) -> bool:
-        """No key configured. Re-checked every few seconds, so `keys create` takes effect live."""
+    async def open_mode(self, key_presented: bool = False) -> bool:
+        """No key configured. While open, re-checked every few seconds, and at once when a caller
+        presents a key, so `keys create` takes effect live and the first keyed request is never
+        served as the local tenant."""
         now = time.monotonic()
-        if self._open is None or (self._open and now - self._checked_at > OPEN_MODE_RECHECK_S):
+        if self._open is None or (self._open and (key_presented or now - self._checked_at > OPEN_MODE_RECHECK_S)):
             async with self.services.sessionmaker() as db:
                 self._open = await Repos(db).keys.count_keys() == 0
             self._checked_at = now
@@ -53,9 +55,9 @@ class Authenticator:
         return found
 
     async def _lookup(self, connection: ASGIConnection) -> Principal:
-        if await self.open_mode():
-            return Principal(self.services.local_tenant_id, "local", True)
         key = _bearer(connection.headers.get("authorization")) or connection.query_params.get("api_key")
+        if await self.open_mode(key_presented=key is not None):
+            return Principal(self.services.local_tenant_id, "local", True)
         if not key:
             raise ApiError("unauthorized", "an API key is required (Authorization: Bearer, or api_key=)")
         async with self.services.sessionmaker() as db:
