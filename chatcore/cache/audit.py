@@ -113,6 +113,9 @@ def audit(pool: BlockPool) -> AuditReport:
     children = Counter(b.parent_hash for b in pool.blocks if b.hash is not None and b.parent_hash is not None)
     if dict(children) != pool.children_counts():
         violations.append("the pool's counts of hashed children disagree with the blocks' parent hashes")
+    for bid, group in pool.forecast.owned().items():
+        if not 0 <= bid < len(pool.blocks) or pool.blocks[bid].hash is None:
+            violations.append(f"conversation {group} claims block {bid}, which holds no hashed content")
     for bid in mapped:
         if not 0 <= bid < len(pool.blocks):
             violations.append(f"a table maps unknown block {bid}")

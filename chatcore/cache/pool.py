@@ -17,12 +17,17 @@ Invariants (checked by `chatcore.cache.audit`):
   one from which the fewest conversations ever branched (`fanout`: a system prompt's last
   block outlives a lone tail), then the least recent. `_children` counts, per hash, the hashed
   blocks whose parent it is; the audit recounts it.
+* Eviction policy `session` (the default) treats conversations as units: a block no conversation
+  claims (`claim`) goes first, by the `cost` rule among the `COST_WINDOW` least recently used;
+  then the deepest cached-free leaf of the conversation expected back last
+  (`chatcore.cache.forecast`), which resists a cyclic scan where LRU does not.
 * Block ids never change: the pool grows by appending ids and shrinks only from the top.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from chatcore.cache.errors import CacheError, NoFreeBlocks
+from chatcore.cache.forecast import ReuseForecast
 from chatcore.cache.prefix import PrefixIndex
 
 if TYPE_CHECKING:
@@ -37,6 +43,7 @@ if TYPE_CHECKING:
 
 EvictHook = Callable[[int, bytes, tuple[int, ...]], None]
 COST_WINDOW = 16
+POLICIES = ("lru", "cost", "session")
 
 
 @dataclass(slots=True)
@@ -72,6 +79,8 @@ class BlockPool:
         debug: bool = False,
         on_evict: EvictHook | None = None,
         eviction: str = "lru",
+        clock: Callable[[], float] = time.monotonic,
+        depth_cost: float = 0.0,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
@@ -80,11 +89,13 @@ class BlockPool:
         self.block_size = block_size
         self.low_watermark = low_watermark
         self.high_watermark = high_watermark
-        if eviction not in ("lru", "cost"):
+        if eviction not in POLICIES:
             raise ValueError(f"unknown eviction policy {eviction!r}")
         self.debug = debug
         self.on_evict = on_evict
         self.eviction = eviction
+        self.clock = clock
+        self.forecast: ReuseForecast[int] = ReuseForecast(depth_cost)
         self.blocks: list[Block] = []
         self._free: OrderedDict[int, None] = OrderedDict()
         self._lru: OrderedDict[int, None] = OrderedDict()
@@ -180,16 +191,36 @@ class BlockPool:
     def _victim(self) -> int:
         if self.eviction == "lru":
             return next(iter(self._lru))
+        if self.eviction == "cost":
+            return self._cheapest(lambda block_id: True)
+        owner = self.forecast.owner
+        unclaimed = self._cheapest(lambda block_id: owner(block_id) is None)
+        if unclaimed >= 0:
+            return unclaimed
+        grouped = self.forecast.victim(self.clock(), self._is_cached_leaf)
+        return grouped if grouped is not None else self._cheapest(lambda block_id: True)
+
+    def _cheapest(self, eligible: Callable[[int], bool]) -> int:
+        """Among the `COST_WINDOW` least recently used cached-free blocks that are `eligible`:
+        a leaf, then the fewest conversations branched from, then the least recent; -1 if none."""
         best, best_key = -1, (0, 0)
         for count, block_id in enumerate(self._lru):
+            if count >= COST_WINDOW:
+                break
+            if not eligible(block_id):
+                continue
             block = self.blocks[block_id]
             assert block.hash is not None
             key = (self._children.get(block.hash, 0), block.fanout)
             if best < 0 or key < best_key:
                 best, best_key = block_id, key
-            if count + 1 >= COST_WINDOW or best_key == (0, 0):
+            if best_key == (0, 0):
                 break
         return best
+
+    def _is_cached_leaf(self, block_id: int) -> bool:
+        block_hash = self.blocks[block_id].hash
+        return block_id in self._lru and block_hash is not None and block_hash not in self._children
 
     def _evict(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -197,6 +228,7 @@ class BlockPool:
         if self.on_evict is not None:
             self.on_evict(block_id, block.hash, block.token_ids)
         self.index.remove(block.hash, block_id)
+        self.forecast.forget(block_id)
         if block.parent_hash is not None:
             left = self._children[block.parent_hash] - 1
             if left:
@@ -247,6 +279,15 @@ class BlockPool:
         if block_id in self._lru:
             self._lru.move_to_end(block_id)
         return block_id
+
+    def claim(self, group: str, block_ids: Sequence[int], *, use: bool = True) -> None:
+        """A conversation's chain (root first): its hashed blocks become the group's eviction
+        unit; `use` records a turn now (`chatcore.cache.forecast`)."""
+        self.forecast.claim(group, [b for b in block_ids if self._block(b).hash is not None], self.clock(),
+                            use=use)
+
+    def drop_group(self, group: str) -> None:
+        self.forecast.drop(group)
 
     def evict_cached(self, max_blocks: int | None = None) -> int:
         """Drop up to `max_blocks` cached-free blocks, least recently used first."""
