@@ -26,6 +26,8 @@ class Settings(BaseSettings):
     # Model and compute.
     model: str = DEFAULT_MODEL
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="KV cache storage dtype; auto: the model's dtype (exact)")
     threads: int = Field(0, description="torch threads; 0 keeps torch's default")
 
     # KV cache.
