@@ -61,6 +61,8 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="a local Hugging Face folder, or 'default' (CHATCORE_MODEL)")
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--kv-dtype", dest="kv_dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                        help="KV cache storage dtype; auto: the model's (CHATCORE_KV_DTYPE)")
     parser.add_argument("--block-size", dest="block_size", type=int, default=None)
     parser.add_argument("--kv-cache-gb", dest="kv_cache_gb", type=float, default=None)
     parser.add_argument("--num-blocks", dest="num_blocks", type=int, default=None)
