@@ -58,13 +58,23 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
     return bench_command(args, settings)
 
 
+def _gb_or_auto(value: str) -> float | str:
+    if value == "auto":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB or 'auto', not {value!r}") from None
+
+
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="a local Hugging Face folder, or 'default' (CHATCORE_MODEL)")
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--kv-dtype", dest="kv_dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                         help="KV cache storage dtype; auto: the model's (CHATCORE_KV_DTYPE)")
     parser.add_argument("--block-size", dest="block_size", type=int, default=None)
-    parser.add_argument("--kv-cache-gb", dest="kv_cache_gb", type=float, default=None)
+    parser.add_argument("--kv-cache-gb", dest="kv_cache_gb", type=_gb_or_auto, default=None,
+                        help="KV pool budget in GiB, or auto")
     parser.add_argument("--num-blocks", dest="num_blocks", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (0: torch's default)")
 
@@ -111,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=None)
     serve.add_argument("--port", type=int, default=None)
     serve.add_argument("--database-url", dest="database_url", default=None)
+    serve.add_argument("--kv-disk-gb", dest="kv_disk_gb", type=_gb_or_auto, default=None,
+                       help="disk tier budget in GiB (0: off), or auto")
+    serve.add_argument("--eviction-policy", dest="eviction_policy", default=None, choices=["session", "cost", "lru"])
     _add_engine_flags(serve)
     serve.set_defaults(handler=_serve)
 

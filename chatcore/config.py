@@ -1,14 +1,14 @@
 """The one settings object. Every field reads `CHATCORE_<NAME>` from the environment.
 
 CLI flags override the environment through `Settings.model_copy(update=...)`.
-Defaults work on a laptop: loopback only, SQLite in the user's data directory,
-a 1 GiB KV pool.
+Defaults work on a laptop: loopback only, SQLite in the user's data directory, and KV
+tiers sized from the machine (`chatcore.kv.sizing`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -32,12 +32,14 @@ class Settings(BaseSettings):
 
     # KV cache.
     block_size: int = Field(16, ge=1)
-    kv_cache_gb: float = Field(1.0, gt=0)
+    kv_cache_gb: Annotated[float, Field(gt=0)] | Literal["auto"] = Field(
+        "auto", description="KV pool budget in GiB; auto: a quarter of the available RAM")
     num_blocks: int | None = Field(None, ge=1, description="overrides kv_cache_gb")
     low_watermark: float = Field(0.15, ge=0, lt=1)
     high_watermark: float = Field(0.30, ge=0, lt=1)
     cache_scope: Literal["global", "tenant"] = "global"
-    eviction_policy: Literal["lru", "cost"] = "cost"
+    eviction_policy: Literal["lru", "cost", "session"] = Field(
+        "session", description="session: whole conversations, the one expected back last first")
     debug_audit: bool = False
 
     # Scheduler.
@@ -50,7 +52,8 @@ class Settings(BaseSettings):
     data_dir: Path = Path("~/.local/share/chatcore")
     database_url: str | None = None
     kv_disk_dir: Path | None = None
-    kv_disk_gb: float = Field(2.0, ge=0)
+    kv_disk_gb: Annotated[float, Field(ge=0)] | Literal["auto"] = Field(
+        "auto", description="disk tier budget in GiB (0: off); auto: a fifth of the free disk, 1-64 GiB")
 
     # Sessions.
     hot_window_s: float = Field(30.0, ge=0)

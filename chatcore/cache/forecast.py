@@ -34,6 +34,7 @@ caller passes the time.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -58,6 +59,7 @@ class ReuseForecast(Generic[K]):
         self.depth_cost = depth_cost
         self._groups: dict[str, _Group[K]] = {}
         self._owner: dict[K, str] = {}
+        self._holders: Counter[K] = Counter()  # how many groups' chains hold each key
         self._mean_gap: float | None = None
         self._victim: str | None = None
 
@@ -69,6 +71,10 @@ class ReuseForecast(Generic[K]):
 
     def owned(self) -> dict[K, str]:
         return dict(self._owner)
+
+    def holders(self, key: K) -> int:
+        """How many groups' chains hold `key` (a shared system prompt: many)."""
+        return self._holders[key]
 
     def claim(self, group: str, chain: Sequence[K], now: float, *, use: bool = True) -> None:
         """`group` holds `chain` (root first) from now on; `use` records a turn at `now`."""
@@ -82,11 +88,21 @@ class ReuseForecast(Generic[K]):
             for key in entry.chain:
                 if key not in kept and self._owner.get(key) == group:
                     del self._owner[key]
+            self._release(entry.chain)
         entry.chain = list(chain)
+        self._holders.update(entry.chain)
         for key in entry.chain:
             self._owner[key] = group
         if use and self._victim == group:
             self._victim = None
+
+    def _release(self, chain: list[K]) -> None:
+        for key in chain:
+            left = self._holders[key] - 1
+            if left > 0:
+                self._holders[key] = left
+            else:
+                del self._holders[key]
 
     def _record_gap(self, entry: _Group[K], now: float) -> None:
         gap = max(0.0, now - entry.last)
@@ -103,6 +119,7 @@ class ReuseForecast(Generic[K]):
         entry = self._groups.pop(group, None)
         if entry is None:
             return
+        self._release(entry.chain)
         for key in entry.chain:
             if self._owner.get(key) == group:
                 del self._owner[key]

@@ -24,18 +24,31 @@ from chatcore.engine.request import FinishReason, Request, SamplingParams, Seque
 from chatcore.engine.runner import ModelRunner
 from chatcore.engine.sampler import make_generator, sample_rows
 from chatcore.engine.scheduler import ScheduledSeq, Scheduler, StepPlan
+from chatcore.kv.sizing import device_pool_bytes
 from chatcore.kv.tensors import KVTensors
-from chatcore.models.loader import LoadedModel
+from chatcore.models.loader import DTYPES, LoadedModel
 
 log = logging.getLogger(__name__)
+
+
+def kv_storage_dtype(settings: Settings, loaded: LoadedModel) -> torch.dtype:
+    return loaded.dtype if settings.kv_dtype == "auto" else DTYPES[settings.kv_dtype]
 
 
 def pool_size(settings: Settings, loaded: LoadedModel) -> int:
     if settings.num_blocks is not None:
         return settings.num_blocks
     per_block = KVTensors.bytes_per_block(loaded.num_layers, settings.block_size, loaded.num_kv_heads,
-                                          loaded.head_dim, loaded.dtype)
-    return max(16, int(settings.kv_cache_gb * (1 << 30)) // per_block)
+                                          loaded.head_dim, kv_storage_dtype(settings, loaded))
+    return max(16, device_pool_bytes(settings.kv_cache_gb) // per_block)
+
+
+def depth_cost(loaded: LoadedModel, block_size: int) -> float:
+    """Recompute FLOPs a block of depth adds to a block (attention), relative to a block's linear
+    FLOPs (2 x parameters per token): what losing a deep block costs over a shallow one."""
+    params = sum(p.numel() for p in loaded.model.parameters())
+    attention_per_position = 4 * loaded.num_layers * loaded.num_heads * loaded.head_dim
+    return attention_per_position * block_size / (2 * params)
 
 
 class EngineCore:
@@ -46,9 +59,10 @@ class EngineCore:
         num_blocks = pool_size(settings, loaded)
         self.pool = BlockPool(num_blocks, settings.block_size, low_watermark=settings.low_watermark,
                               high_watermark=settings.high_watermark, debug=settings.debug_audit,
-                              eviction=settings.eviction_policy)
+                              eviction=settings.eviction_policy,
+                              depth_cost=depth_cost(loaded, settings.block_size))
         self.kv = KVTensors(loaded.num_layers, num_blocks, settings.block_size, loaded.num_kv_heads,
-                            loaded.head_dim, loaded.dtype)
+                            loaded.head_dim, kv_storage_dtype(settings, loaded))
         self.scheduler = Scheduler(self.pool, max_batch_tokens=settings.max_batch_tokens,
                                    max_num_seqs=settings.max_num_seqs, max_queue_wait_s=settings.max_queue_wait_s,
                                    max_context=loaded.max_context)
@@ -62,7 +76,13 @@ class EngineCore:
 
     # ----- salts and requests ----------------------------------------------------------------
     def salt(self, scope_key: str = "global") -> bytes:
-        return cache_salt(self.loaded.fingerprint, self.settings.block_size, self.loaded.dtype_name, scope_key)
+        """The hash extra keys. KV stored in another dtype than the model's is other KV: its dtype joins
+        the model's, so its blocks (in the pool and on disk) never mix with the model dtype's, whose
+        salt stays what it was before `kv_dtype` existed."""
+        dtype = self.loaded.dtype_name
+        if self.kv.dtype != self.loaded.dtype:
+            dtype += "/kv=" + str(self.kv.dtype).removeprefix("torch.")
+        return cache_salt(self.loaded.fingerprint, self.settings.block_size, dtype, scope_key)
 
     def make_request(self, prompt: list[int], params: SamplingParams, *, request_id: str | None = None,
                      scope_key: str = "global") -> Request:

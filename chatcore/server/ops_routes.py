@@ -92,4 +92,5 @@ async def admin_cache(request: Request[Any, Any, Any]) -> dict[str, Any]:
     titles = {s.id: s.title for s in live.values()}
     for item in result["sessions"]:
         item["title"] = titles.get(item["id"], "")
+    result["tiers"] = services.tiers
     return result

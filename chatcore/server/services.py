@@ -17,6 +17,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from chatcore.config import Settings
 from chatcore.engine.engine import AsyncEngine
+from chatcore.kv.sizing import describe, disk_budget_bytes, holds
+from chatcore.kv.tensors import KVTensors
 from chatcore.metrics import Metrics
 from chatcore.models.loader import LoadedModel, load_model
 from chatcore.sessions.disk_tier import DiskTier
@@ -43,6 +45,7 @@ class Services:
     disk: DiskTier | None
     local_tenant_id: str
     model_name: str
+    tiers: dict[str, Any]  # what each KV tier holds (`kv_tiers`)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -58,9 +61,12 @@ class Services:
         engine = await asyncio.to_thread(AsyncEngine.from_settings, settings, loaded)
         metrics = Metrics()
         disk = None
-        if settings.kv_disk_gb > 0:
-            disk = DiskTier(settings.resolved_kv_disk_dir, loaded.fingerprint,
-                            int(settings.kv_disk_gb * (1 << 30)), sessionmaker)
+        disk_bytes = disk_budget_bytes(settings.kv_disk_gb, settings.resolved_kv_disk_dir)
+        if disk_bytes > 0:
+            disk = DiskTier(settings.resolved_kv_disk_dir, loaded.fingerprint, disk_bytes, sessionmaker)
+        tiers = kv_tiers(engine, disk_bytes)
+        log.info("KV tiers: %s; %s", describe("device pool", tiers["device"]),
+                 describe("disk tier", tiers["disk"]) if tiers["disk"] else "no disk tier")
         manager = SessionManager(engine, sessionmaker, settings, metrics, disk)
         interrupted = await manager.mark_interrupted()
         if interrupted:
@@ -69,7 +75,7 @@ class Services:
         policy.start()
         manager.leases.start()
         return cls(settings, db, sessionmaker, engine, metrics, manager, TurnRunner(manager), policy, disk,
-                   local.id, loaded.path.name)
+                   local.id, loaded.path.name, tiers)
 
     async def stop(self) -> None:
         await self.policy.stop()
@@ -84,3 +90,14 @@ class Services:
         if self.disk is not None:
             self.disk.close()
         await self.db.dispose()
+
+
+def kv_tiers(engine: AsyncEngine, disk_bytes: int) -> dict[str, Any]:
+    """Each KV tier's size in bytes, tokens and whole sessions of 1k and 4k tokens."""
+    core = engine.core
+    loaded = core.loaded
+    per_token = KVTensors.bytes_per_block(loaded.num_layers, 1, loaded.num_kv_heads, loaded.head_dim, core.kv.dtype)
+    per_block = per_token * core.pool.block_size
+    device = {"dtype": str(core.kv.dtype).removeprefix("torch."), "blocks": core.pool.num_blocks,
+              **holds(core.pool.num_blocks * per_block, per_token)}
+    return {"device": device, "disk": holds(disk_bytes, per_token) if disk_bytes > 0 else None}

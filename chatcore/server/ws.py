@@ -191,6 +191,7 @@ class Connection:
                 self.error("unauthorized", "wrong resume token for this session")
                 self.close(CLOSE_POLICY, "unauthorized")
                 return
+            self.services.turns.prefetch(state)
         self.attach(state)
         self.last_seq = last_seq
         self.send({"type": "session", "session_id": state.id, "resume_token": token, "title": state.title,

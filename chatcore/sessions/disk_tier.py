@@ -3,14 +3,22 @@
 Writes are write-through and off the decode path: when a turn completes, the engine thread
 copies the new full blocks out of the KV tensors, and a worker thread writes the files;
 the index rows follow on the event loop. Reads verify every file (`DiskBlocks.read`); a
-rejected file is deleted and its index row dropped, and the caller recomputes. The budget is
-enforced least recently used first, by the index's `last_used_at`.
+rejected file is deleted and its index row dropped, and the caller recomputes.
+
+The budget is enforced per conversation, as in the pool (`chatcore.cache.forecast`): each turn
+claims its session's chain of hashes. Over budget, blocks no conversation claims go first
+(least recently used first, by the index's `last_used_at`: after a restart, that is everything
+until its session returns); then the conversation expected back last loses its blocks from the
+tail, never a block another conversation's chain still holds. Rows are deleted in one
+transaction, and the files after it commits, off the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,6 +26,7 @@ import torch
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from chatcore.cache.forecast import ReuseForecast
 from chatcore.kv.disk import DiskBlocks
 from chatcore.store.repos import Repos
 
@@ -26,19 +35,29 @@ log = logging.getLogger(__name__)
 
 class DiskTier:
     def __init__(self, root: Path, fingerprint: str, budget_bytes: int,
-                 sessionmaker: async_sessionmaker[AsyncSession]) -> None:
+                 sessionmaker: async_sessionmaker[AsyncSession], clock: Callable[[], float] = time.monotonic) -> None:
         self.files = DiskBlocks(root, fingerprint)
         self.fingerprint = fingerprint
         self.budget_bytes = budget_bytes
         self.sessionmaker = sessionmaker
+        self.clock = clock
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatcore-disk")
         self._known: set[bytes] = set()
+        self.forecast: ReuseForecast[bytes] = ReuseForecast()
+        self._block_bytes = 0  # one block file's size (all blocks of a model have one shape)
         self.writes = 0
         self.rejected = 0
         self.missing = 0  # indexed, but deleted (by another replica's budget) before we read it
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+
+    def claim(self, session_id: str, hashes: list[bytes], *, use: bool = True) -> None:
+        """The session's chain, root first: the eviction unit on disk."""
+        self.forecast.claim(session_id, hashes, self.clock(), use=use)
+
+    def drop(self, session_id: str) -> None:
+        self.forecast.drop(session_id)
 
     async def filter_unknown(self, hashes: list[bytes]) -> list[bytes]:
         """The hashes not yet on disk."""
@@ -70,6 +89,8 @@ class DiskTier:
                 if attempt:
                     raise
         self._known.update(h for h, _ in written)
+        if written:
+            self._block_bytes = written[-1][1].size
         self.writes += len(written)
         await self.enforce_budget()
         return len(written)
@@ -92,6 +113,7 @@ class DiskTier:
             return []
         loop = asyncio.get_running_loop()
         tensors, missing = await loop.run_in_executor(self._executor, self._read_run, run)
+        self._known.update(run[: len(tensors)])
         async with self.sessionmaker() as db, db.begin():
             repos = Repos(db)
             for block_hash in run[: len(tensors)]:
@@ -120,21 +142,40 @@ class DiskTier:
         return out, False
 
     async def enforce_budget(self) -> int:
-        """Delete least recently used blocks until the index fits the byte budget."""
-        removed = 0
+        """Delete blocks until the index fits the byte budget; returns how many."""
         async with self.sessionmaker() as db, db.begin():
             repos = Repos(db)
-            total = await repos.blocks.total_size()
-            while total > self.budget_bytes:
-                victims = await repos.blocks.lru_blocks(64)
-                if not victims:
-                    break
-                for row in victims:
-                    if total <= self.budget_bytes:
-                        break
-                    self.files.delete(bytes.fromhex(row.hash))
-                    self._known.discard(bytes.fromhex(row.hash))
-                    await repos.blocks.delete_block(row.hash)
-                    total -= row.size
-                    removed += 1
-        return removed
+            excess = await repos.blocks.total_size() - self.budget_bytes
+            if excess <= 0:
+                return 0
+            victims = await self._victims(repos, excess)
+            for block_hash in victims:
+                await repos.blocks.delete_block(block_hash.hex())
+        for block_hash in victims:
+            self._known.discard(block_hash)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._delete_files, victims)
+        return len(victims)
+
+    async def _victims(self, repos: Repos, excess: int) -> list[bytes]:
+        """Unclaimed blocks, least recently used first; then whole conversations, from the tail."""
+        victims: list[bytes] = []
+        freed = 0
+        for row in await repos.blocks.lru_blocks(256):
+            self._block_bytes = self._block_bytes or row.size
+            block_hash = bytes.fromhex(row.hash)
+            if freed < excess and self.forecast.owner(block_hash) is None:
+                victims.append(block_hash)
+                freed += row.size
+        now = self.clock()
+        while freed < excess:
+            block_hash = self.forecast.victim(now, lambda h: h in self._known and self.forecast.holders(h) <= 1)
+            if block_hash is None:
+                break
+            self.forecast.forget(block_hash)  # chosen: no longer the group's
+            victims.append(block_hash)
+            freed += self._block_bytes
+        return victims
+
+    def _delete_files(self, hashes: list[bytes]) -> None:
+        for block_hash in hashes:
+            self.files.delete(block_hash)

@@ -225,10 +225,12 @@ class SessionManager:
             await self.engine.abort(state.request_id)
             if state.running is not None:
                 await asyncio.gather(state.running, return_exceptions=True)
-        await self.engine.call(lambda core: self.pins.release(session_id))
+        await self.engine.call(lambda core: (self.pins.release(session_id), core.pool.drop_group(session_id)))
         async with self.sessionmaker() as db, db.begin():
             if not await Repos(db).sessions.delete(tenant_id, session_id):
                 raise NotFound("no such session")
+        if self.disk is not None:
+            self.disk.drop(session_id)
         self.live.pop(session_id, None)
 
     async def list(self, tenant_id: str) -> list[dict[str, Any]]:

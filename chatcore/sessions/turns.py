@@ -20,6 +20,8 @@ import time
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
+import torch
+
 from chatcore.cache import BlockTable, chain_hashes, longest_prefix
 from chatcore.engine.core import EngineCore
 from chatcore.engine.outputs import RequestOutput
@@ -137,6 +139,7 @@ class TurnRunner:
         disk = self.m.disk
         bs = self.engine.core.pool.block_size
         max_blocks = (len(prompt) - 1) // bs
+        prefetched = await self._prefetched(state)
 
         def take_pin(core: EngineCore) -> int:
             table = self.m.pins.take(state.id)
@@ -148,27 +151,68 @@ class TurnRunner:
             return len(longest_prefix(core.pool.find, prompt, bs, req.salt, max_blocks)[0])
 
         device_blocks = await self.engine.call(take_pin)
+        req.cached_disk_tokens = min(prefetched, max(device_blocks, 0) * bs)
         if device_blocks < 0 or disk is None or device_blocks >= max_blocks:
             return
-        hashes = chain_hashes(prompt, bs, req.salt)[device_blocks:max_blocks]
-        tensors = await disk.load(hashes)
+        tensors = await disk.load(chain_hashes(prompt, bs, req.salt)[device_blocks:max_blocks])
         if not tensors:
             return
 
         def install(core: EngineCore) -> None:
-            ids, found = longest_prefix(core.pool.find, prompt, bs, req.salt, max_blocks)
-            skip = len(ids) - device_blocks
-            usable = tensors[skip:] if skip >= 0 else []
-            table = BlockTable.from_prefix(core.pool, ids, found, owner=req.request_id)
-            if usable and core.pool.can_admit(len(usable)):
-                table.append_slots(len(usable) * bs)
-                for j, tensor in enumerate(usable):
-                    core.kv.write_block(table.block_ids[len(ids) + j], tensor)
-                table.commit(prompt, (len(ids) + len(usable)) * bs, req.salt)
-                req.cached_disk_tokens = len(usable) * bs
+            table, loaded = install_blocks(core, prompt, req.salt, max_blocks, device_blocks, tensors,
+                                           req.request_id)
+            req.cached_disk_tokens += loaded
             req.prefix_table = table
 
         await self.engine.call(install)
+
+    async def _prefetched(self, state: SessionState) -> int:
+        """Wait for the session's prefetch, if one runs; the tokens it brought back."""
+        task, state.prefetching = state.prefetching, None
+        if task is None:
+            return 0
+        try:
+            return await task
+        except Exception:
+            log.exception("prefetch failed in session %s", state.id)
+            return 0
+
+    def prefetch(self, state: SessionState) -> None:
+        """Start bringing the session's history back from the disk tier (on `hello`): the reads
+        overlap other sessions' compute, and its next turn finds the blocks in the pool."""
+        if self.m.disk is not None and state.tokens and state.prefetching is None and not state.turn_running:
+            state.prefetching = asyncio.create_task(self.load_history(state), name=f"prefetch-{state.id}")
+
+    async def load_history(self, state: SessionState) -> int:
+        """Install the session's full blocks missing from the pool, read from the disk tier, as
+        cached-free blocks claimed by the session; returns how many tokens were installed."""
+        disk = self.m.disk
+        assert disk is not None
+        tokens = list(state.tokens)
+        bs = self.engine.core.pool.block_size
+        salt = self.engine.core.salt(state.scope_key)
+        max_blocks = len(tokens) // bs
+
+        def in_pool(core: EngineCore) -> int:
+            if state.id in self.m.pins:
+                return max_blocks
+            return len(longest_prefix(core.pool.find, tokens, bs, salt, max_blocks)[0])
+
+        device_blocks = await self.engine.call(in_pool)
+        if device_blocks >= max_blocks:
+            return 0
+        tensors = await disk.load(chain_hashes(tokens, bs, salt)[device_blocks:max_blocks])
+        if not tensors:
+            return 0
+
+        def install(core: EngineCore) -> int:
+            table, loaded = install_blocks(core, tokens, salt, max_blocks, device_blocks, tensors,
+                                           f"prefetch:{state.id}")
+            core.pool.claim(state.id, table.block_ids, use=False)
+            table.release()
+            return loaded
+
+        return await self.engine.call(install)
 
     async def _finish(self, state: SessionState, frames: TurnFrames, req: Request, content: str,
                       final: RequestOutput | None, error: str | None, assistant_id: int) -> None:
@@ -247,11 +291,13 @@ class TurnRunner:
                 table.release()
                 return []
             self.m.pins.pin(state.id, table)
+            core.pool.claim(state.id, table.block_ids)
             return list(table.hashes)
 
         hashes = await self.engine.call(pin)
         if disk is None or not hashes:
             return
+        disk.claim(state.id, hashes)
         task = asyncio.create_task(self._write_through(hashes))
         self.background.add(task)
         task.add_done_callback(self.background.discard)
@@ -275,3 +321,22 @@ class TurnRunner:
             await disk.save(await self.engine.call(read))  # type: ignore[arg-type]
         except Exception:
             log.exception("disk tier write failed")
+
+
+def install_blocks(core: EngineCore, tokens: list[int], salt: bytes, max_blocks: int, device_blocks: int,
+                   tensors: list[torch.Tensor], owner: str) -> tuple[BlockTable, int]:
+    """On the engine thread: a table over the pool's longest prefix of `tokens`, extended by the
+    blocks read from disk (which start at block `device_blocks`); returns it and the tokens
+    written from disk. Stops short, rather than evict, when the pool is below its low watermark."""
+    bs = core.pool.block_size
+    ids, found = longest_prefix(core.pool.find, tokens, bs, salt, max_blocks)
+    skip = len(ids) - device_blocks
+    usable = tensors[skip:] if skip >= 0 else []
+    table = BlockTable.from_prefix(core.pool, ids, found, owner=owner)
+    if not usable or not core.pool.can_admit(len(usable)):
+        return table, 0
+    table.append_slots(len(usable) * bs)
+    for j, tensor in enumerate(usable):
+        core.kv.write_block(table.block_ids[len(ids) + j], tensor)
+    table.commit(tokens, (len(ids) + len(usable)) * bs, salt)
+    return table, len(usable) * bs

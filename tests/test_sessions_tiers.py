@@ -1,0 +1,126 @@
+"""Both KV tiers under many conversations: the disk tier's conversation-level budget (real SQLite,
+no model) and the prefetch of a cold history from disk into the pool (the real engine)."""
+
+from __future__ import annotations
+
+import torch
+
+from chatcore.cache import audit, chain_hashes, longest_prefix
+from chatcore.sessions.disk_tier import DiskTier
+from chatcore.store.db import create_engine, create_sessionmaker, migrate
+from chatcore.store.repos import Repos
+from tests.engine_helpers import LONG_SYSTEM
+from tests.test_sessions import make_services, run_turn  # noqa: F401  (a fixture)
+
+
+class Ticks:
+    """A clock that advances one second per reading: one turn per claim."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+async def disk_tier(tmp_path, blocks_budget: int) -> tuple[DiskTier, int]:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'tier.db'}"
+    await migrate(url)
+    sessionmaker = create_sessionmaker(create_engine(url))
+    tier = DiskTier(tmp_path / "kv", "model-x", 1 << 40, sessionmaker, clock=Ticks())
+    probe = tier.files.write(b"\0" * 16, torch.zeros(2, 2, 4, 1, 8))
+    tier.files.delete(b"\0" * 16)
+    tier.budget_bytes = blocks_budget * probe.size
+    return tier, probe.size
+
+
+def block(seed: int) -> torch.Tensor:
+    return torch.full((2, 2, 4, 1, 8), float(seed))
+
+
+async def on_disk(tier: DiskTier, hashes: list[bytes]) -> list[bytes]:
+    async with tier.sessionmaker() as db:
+        known = await Repos(db).blocks.known([h.hex() for h in hashes])
+    return [h for h in hashes if h.hex() in known]
+
+
+async def test_the_disk_budget_drops_whole_conversations_expected_back_last_never_a_shared_root(tmp_path) -> None:
+    tier, _ = await disk_tier(tmp_path, blocks_budget=10)
+    try:
+        root = bytes([200]) * 16
+        chains = {name: [root] + [bytes([i, k]) * 8 for k in range(3)] for i, name in enumerate("abcd")}
+        # Round robin a, b, c, d, twice: each turn claims its chain, then writes it through.
+        for _ in range(2):
+            for name, chain in chains.items():
+                tier.claim(name, chain)
+                await tier.save([(h, block(i)) for i, h in enumerate(await tier.filter_unknown(chain))])
+        kept = {name: await on_disk(tier, chain) for name, chain in chains.items()}
+        # 13 blocks for a budget of 10. Round 1 knows no rhythm yet and drops the oldest, a. In
+        # round 2, a writes its blocks again and is then the one expected back last: it goes
+        # again, whole and tail first, while b, c and d (next up) keep everything. LRU would
+        # drop b, then c, then d, each just before its turn. The shared root always stays.
+        assert kept["a"] == [root]
+        assert all(kept[name] == chains[name] for name in "bcd")
+        assert all(tier.files.read(h) is not None for h in chains["b"])
+        assert not tier.files.path_for(chains["a"][-1]).exists()
+        # A deleted conversation's blocks are the first to go next time.
+        tier.drop("b")
+        tier.claim("e", [root, b"e" * 16])
+        await tier.save([(b"e" * 16, block(9))])
+        assert len(await on_disk(tier, chains["b"][1:])) == 2
+        for name in "cd":
+            assert await on_disk(tier, chains[name]) == chains[name]
+    finally:
+        tier.close()
+
+
+async def test_unclaimed_blocks_go_before_any_conversation(tmp_path) -> None:
+    tier, _ = await disk_tier(tmp_path, blocks_budget=4)
+    try:
+        stale = [bytes([9, k]) * 8 for k in range(3)]  # from before a restart: nobody claims them
+        await tier.save([(h, block(k)) for k, h in enumerate(stale)])
+        chain = [bytes([1, k]) * 8 for k in range(3)]
+        tier.claim("s", chain)
+        await tier.save([(h, block(k)) for k, h in enumerate(chain)])
+        assert await on_disk(tier, chain) == chain
+        assert len(await on_disk(tier, stale)) == 1
+    finally:
+        tier.close()
+
+
+async def test_prefetch_brings_a_cold_history_into_the_pool_before_its_turn(make_services) -> None:  # noqa: F811
+    services = await make_services(kv_disk_gb=1, hot_window_s=0)
+    tenant = services.local_tenant_id
+    state, _ = await services.sessions.create(tenant, system_prompt=LONG_SYSTEM)
+    await run_turn(services, state, "Can I change my booking?")
+    await services.turns.background_idle()
+    await services.sessions.go_cold(state)
+    await services.engine.call(lambda core: core.pool.evict_cached())
+
+    reopened = await services.sessions.open(tenant, state.id)
+    bs = services.settings.block_size
+    salt = services.engine.core.salt(reopened.scope_key)
+    full = len(reopened.tokens) // bs
+
+    def cached_blocks(core) -> int:
+        return len(longest_prefix(core.pool.find, reopened.tokens, bs, salt)[0])
+
+    assert await services.engine.call(cached_blocks) == 0
+    services.turns.prefetch(reopened)  # what `hello` does
+    assert reopened.prefetching is not None
+    loaded = await reopened.prefetching
+    assert loaded == full * bs
+    assert await services.engine.call(cached_blocks) == full
+    report = await services.engine.call(lambda core: audit(core.pool))
+    assert report.ok and report.used == 0  # installed cached-free, claimed by the session
+    owners = await services.engine.call(lambda core: set(core.pool.forecast.owned().values()))
+    assert owners == {reopened.id}
+    files_before = chain_hashes(reopened.tokens, bs, salt)
+
+    done = await run_turn(services, reopened, "And how much does it cost?")
+    usage = done["usage"]
+    # The turn found the history in the pool; its tokens still count as served by the disk tier.
+    assert usage["cached_tokens"] >= (len(files_before) - 1) * bs
+    assert usage["cached_disk_tokens"] == min(loaded, usage["cached_tokens"])
+    assert reopened.prefetching is None
