@@ -7,8 +7,10 @@ the same index in every layer, so the bookkeeping in `chatcore.cache` maps strai
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 import kernels
@@ -22,8 +24,7 @@ class KVTensors:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self.data = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
-                                dtype=dtype, device=device)
+        self.data = _zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype, device)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -63,6 +64,15 @@ class KVTensors:
         if num_blocks < current:
             self.data = self.data[:, :, :num_blocks].clone()
             return
-        extra = torch.zeros(*self.data.shape[:2], num_blocks - current, *self.data.shape[3:],
-                            dtype=self.data.dtype, device=self.data.device)
+        extra = _zeros((*self.data.shape[:2], num_blocks - current, *self.data.shape[3:]), self.data.dtype,
+                       self.data.device)
         self.data = torch.cat([self.data, extra], dim=2)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed tensor. On the CPU its pages are committed only when first written (calloc'd
+    memory), so a pool sized for a share of RAM costs memory only as blocks are used."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
