@@ -164,7 +164,24 @@ class CostCacheMachine(CacheMachine):
     eviction = "cost"
 
 
-@pytest.mark.parametrize("machine", [CacheMachine, CostCacheMachine], ids=["lru", "cost"])
+class SessionCacheMachine(CacheMachine):
+    """Conversations claim their tables' chains (and are deleted) between the other operations."""
+
+    eviction = "session"
+
+    @precondition(lambda self: self.tables)
+    @rule(data=st.data(), group=st.sampled_from(["a", "b", "c"]))
+    def claim(self, data: st.DataObject, group: str) -> None:
+        table, _ = data.draw(st.sampled_from(self.tables))
+        self.pool.claim(group, table.block_ids)
+
+    @rule(group=st.sampled_from(["a", "b", "c"]))
+    def drop(self, group: str) -> None:
+        self.pool.drop_group(group)
+
+
+@pytest.mark.parametrize("machine", [CacheMachine, CostCacheMachine, SessionCacheMachine],
+                         ids=["lru", "cost", "session"])
 def test_random_interleavings_keep_every_invariant(machine: type[CacheMachine]) -> None:
     STEPS.update(count=0, copies=0, exhausted=0, evictions=0)
     run_state_machine_as_test(
