@@ -335,8 +335,12 @@ def install_blocks(core: EngineCore, tokens: list[int], salt: bytes, max_blocks:
     table = BlockTable.from_prefix(core.pool, ids, found, owner=owner)
     if not usable or not core.pool.can_admit(len(usable)):
         return table, 0
-    table.append_slots(len(usable) * bs)
-    for j, tensor in enumerate(usable):
-        core.kv.write_block(table.block_ids[len(ids) + j], tensor)
-    table.commit(tokens, (len(ids) + len(usable)) * bs, salt)
+    try:
+        table.append_slots(len(usable) * bs)
+        for j, tensor in enumerate(usable):
+            core.kv.write_block(table.block_ids[len(ids) + j], tensor)
+        table.commit(tokens, (len(ids) + len(usable)) * bs, salt)
+    except BaseException:
+        table.release()  # a block file of the wrong shape, say: nothing may stay referenced
+        raise
     return table, len(usable) * bs
