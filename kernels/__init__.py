@@ -44,7 +44,8 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over its paged KV cache.
 
-    Returns [S, H, D] in the query's dtype (written into `out` when given). Accumulation is
+    Returns [S, H, D] in the query's dtype (written into `out` when given); the caches may be
+    stored in another dtype (`kv_dtype`) and are read converted to the query's. Accumulation is
     fp32. Block-table entries past a sequence's blocks may be anything, even out of range.
     A sequence with context length 0 gets zeros. Requires context_lens[i] <=
     max_blocks * block_size. `num_splits` sets the Triton kernel's split-K factor (None: a

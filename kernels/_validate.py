@@ -37,7 +37,7 @@ def check_decode(
     _require(query.dim() == 3, "query must be [num_seqs, num_heads, head_dim]")
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    _require(query.dtype == key_cache.dtype, "query and the caches must share a dtype")
+    _require(query.dtype in _FLOAT_DTYPES, f"unsupported query dtype {query.dtype}")
     _require(head_dim == key_cache.shape[3], "query and the caches must share head_dim")
     _require(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
     _require(

@@ -133,7 +133,7 @@ def _decode_kernel(
         if DOT_FP32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(k))
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
         s = tl.where(tok_ok[None, :], s * scale_log2, float("-inf"))
         # Every tile holds at least one valid token, so m_new is finite.
         m_new = tl.maximum(m, tl.reduce(s, 1, max_combine))
@@ -143,7 +143,7 @@ def _decode_kernel(
         if DOT_FP32:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
         m = m_new
 

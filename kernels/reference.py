@@ -29,26 +29,30 @@ class _GatherBuffers(threading.local):
     def __init__(self) -> None:
         self.buffers: dict[tuple[int, torch.dtype, tuple[int, ...], bool], torch.Tensor] = {}
 
-    def take(self, slot: int, cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
-        """A contiguous [num_blocks, *block shape] buffer, valid until `slot` is taken again."""
+    def take(self, slot: int, cache: torch.Tensor, num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous [num_blocks, *block shape] buffer, valid until (slot, dtype) is taken again."""
         # Inference-mode buffers cannot be written outside inference mode (and the reverse
         # would make results inference tensors): keep one set per mode.
-        key = (slot, cache.dtype, tuple(cache.shape[1:]), torch.is_inference_mode_enabled())
+        key = (slot, dtype, tuple(cache.shape[1:]), torch.is_inference_mode_enabled())
         buffer = self.buffers.get(key)
         if buffer is None or buffer.shape[0] < num_blocks:
             rows = max(num_blocks, 0 if buffer is None else buffer.shape[0] * 3 // 2)
-            buffer = self.buffers[key] = cache.new_empty((rows, *cache.shape[1:]))
+            buffer = self.buffers[key] = cache.new_empty((rows, *cache.shape[1:]), dtype=dtype)
         return buffer[:num_blocks]
 
 
 _buffers = _GatherBuffers()
 
 
-def _gather_blocks(cache: torch.Tensor, table: torch.Tensor, slot: int, reuse: bool) -> torch.Tensor:
-    """cache[table] for a flat table of block ids: [len(table), block_size, KVH, D]."""
+def _gather_blocks(cache: torch.Tensor, table: torch.Tensor, slot: int, reuse: bool,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """cache[table] in `dtype` for a flat table of block ids: [len(table), block_size, KVH, D]."""
     if not reuse:
-        return cache.index_select(0, table)
-    return torch.index_select(cache, 0, table, out=_buffers.take(slot, cache, table.numel()))
+        return cache.index_select(0, table).to(dtype)
+    gathered = torch.index_select(cache, 0, table, out=_buffers.take(slot, cache, table.numel(), cache.dtype))
+    if cache.dtype == dtype:
+        return gathered
+    return _buffers.take(slot, cache, table.numel(), dtype).copy_(gathered)
 
 
 class _StepPlan(threading.local):
@@ -119,7 +123,8 @@ def paged_decode_attention(
 
     query [S, H, D]; key_cache, value_cache [num_blocks, block_size, KVH, D];
     block_tables int32 [S, max_blocks]; context_lens int32 [S]. Returns [S, H, D] in the
-    query's dtype. Query head h attends to kv head h // (H // KVH). A sequence with context
+    query's dtype, which keys and values are converted to when the cache is stored in another
+    (`kv_dtype`). Query head h attends to kv head h // (H // KVH). A sequence with context
     length 0 gets zeros.
 
     Block-table entries past a sequence's used blocks are never dereferenced: they are
@@ -143,8 +148,9 @@ def paged_decode_attention(
     reuse = query.device.type == "cpu" and not (torch.is_grad_enabled() and query.requires_grad)
     # [S * blocks, block_size, KVH, D] -> [S, KVH, span, D] as a view (no copy).
     shape = (num_seqs, span, num_kv_heads, head_dim)
-    keys = _gather_blocks(key_cache, plan["table"], 0, reuse).view(shape).transpose(1, 2)  # type: ignore[arg-type]
-    values = _gather_blocks(value_cache, plan["table"], 1, reuse).view(shape).transpose(1, 2)  # type: ignore[arg-type]
+    table: torch.Tensor = plan["table"]  # type: ignore[assignment]
+    keys = _gather_blocks(key_cache, table, 0, reuse, query.dtype).view(shape).transpose(1, 2)
+    values = _gather_blocks(value_cache, table, 1, reuse, query.dtype).view(shape).transpose(1, 2)
     # GQA: the query heads sharing a kv head become the rows of one attention problem.
     grouped = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     if not plan["shared"]:
@@ -160,8 +166,9 @@ def _cascade(grouped: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     num_seqs, num_kv_heads, group, head_dim = grouped.shape
     shared_table: torch.Tensor = plan["shared_table"]  # type: ignore[assignment]
     length = shared_table.numel() * key_cache.shape[1]
-    shared_k = key_cache.index_select(0, shared_table).view(length, num_kv_heads, head_dim).transpose(0, 1)
-    shared_v = value_cache.index_select(0, shared_table).view(length, num_kv_heads, head_dim).transpose(0, 1)
+    shared_k = key_cache.index_select(0, shared_table).to(grouped.dtype).view(length, num_kv_heads, head_dim)
+    shared_v = value_cache.index_select(0, shared_table).to(grouped.dtype).view(length, num_kv_heads, head_dim)
+    shared_k, shared_v = shared_k.transpose(0, 1), shared_v.transpose(0, 1)
     rows = grouped.permute(1, 0, 2, 3).reshape(1, num_kv_heads, num_seqs * group, head_dim)
     head_out, head_lse = flash(rows, shared_k.unsqueeze(0), shared_v.unsqueeze(0), scale=scale)
     head_out = head_out.view(num_kv_heads, num_seqs, group, head_dim).permute(1, 0, 2, 3)

@@ -83,3 +83,18 @@ def test_inference_mode_and_normal_calls_interleave() -> None:
             table = share_prefix(table, context, 3, 16)
             got = reference.paged_decode_attention(query, keys, values, table, context, 0.125)
         torch.testing.assert_close(got, dense_attention(query, keys, values, table, context, 0.125))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shared", [0, 2])
+def test_a_narrower_cache_is_read_in_the_query_dtype(kv_dtype, shared) -> None:
+    """kv_dtype: fp32 queries over fp16/bf16 caches equal the fp32 path over the stored values."""
+    query, keys, values, table, context = make_case([70, 50, 90, 33], num_kv_heads=3, group=3, head_dim=64,
+                                                    block_size=16, dtype=torch.float32, seed=4)
+    if shared:
+        table = share_prefix(table, context, shared, 16)
+    keys, values = keys.to(kv_dtype), values.to(kv_dtype)
+    assert reference._make_plan(table, context, 16)["shared"] == shared
+    got = reference.paged_decode_attention(query, keys, values, table, context, 0.125)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, reference.paged_decode_attention(query, keys.float(), values.float(), table, context, 0.125))

@@ -103,6 +103,20 @@ def test_matches_reference_and_dense(device, dtype, num_kv_heads, group, head_di
     torch.testing.assert_close(got.float().cpu(), dense_attention(*case, scale), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+                                             (torch.bfloat16, torch.float16)])
+def test_reads_a_cache_stored_in_another_dtype(device, dtype, kv_dtype):
+    """kv_dtype: the caches are read converted to the query's dtype, as the reference does."""
+    query, key_cache, value_cache, *rest = make_case([40, 7, 100], num_kv_heads=3, group=3, head_dim=64,
+                                                     block_size=16, dtype=dtype, device=device)
+    case = (query, key_cache.to(kv_dtype), value_cache.to(kv_dtype), *rest)
+    got = kernels.paged_decode_attention(*case, 0.125, num_splits=2)
+    assert got.dtype == dtype
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), reference.paged_decode_attention(*case, 0.125).float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got.float().cpu(), dense_attention(*case, 0.125), atol=tol, rtol=tol)
+
+
 def test_empty_splits_and_empty_contexts_contribute_nothing(device):
     """More splits than tiles: most splits own no tokens; context 0 must give zeros, not NaN."""
     case = make_case([1, 70, 0, 16], num_kv_heads=1, group=4, head_dim=32, block_size=16,
@@ -214,7 +228,9 @@ def test_rejects_bad_arguments():
     query, key_cache, value_cache, table, lens = make_case([4], num_kv_heads=2, group=2, head_dim=16,
                                                            block_size=8, dtype=torch.float32)
     with pytest.raises(ValueError, match="dtype"):
-        kernels.paged_decode_attention(query.half(), key_cache, value_cache, table, lens, 1.0)
+        kernels.paged_decode_attention(query.double(), key_cache, value_cache, table, lens, 1.0)
+    with pytest.raises(ValueError, match="dtype"):
+        kernels.paged_decode_attention(query, key_cache, value_cache.half(), table, lens, 1.0)
     with pytest.raises(ValueError, match="int32"):
         kernels.paged_decode_attention(query, key_cache, value_cache, table.long(), lens, 1.0)
     with pytest.raises(ValueError, match="multiple"):
@@ -300,8 +316,10 @@ def compile_kernel(fn, pointers, constexprs):
                        constexprs={(names.index(n),): v for n, v in constexprs.items()})
     triton.compile(source, target=GPUTarget("cuda", int(sys.argv[1]), 32), options={"num_warps": 4})
 
-for dtype, splits in (("fp16", 1), ("bf16", 4), ("fp32", 4)):
-    io = {n: "*" + dtype for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
+# (query and output, caches): the last two read a cache stored narrower or otherwise (kv_dtype).
+for dtype, kv, splits in (("fp16", "fp16", 1), ("bf16", "bf16", 4), ("fp32", "fp32", 4), ("fp32", "bf16", 1),
+                          ("bf16", "fp16", 4)):
+    io = {"q_ptr": "*" + dtype, "out_ptr": "*" + dtype, "k_ptr": "*" + kv, "v_ptr": "*" + kv}
     parts = {n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}
     compile_kernel(paged_decode._decode_kernel, {**io, **parts, "block_tables_ptr": "*i32",
                    "context_lens_ptr": "*i32", "scale_log2": "fp32"},

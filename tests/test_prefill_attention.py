@@ -57,3 +57,14 @@ def test_a_result_never_aliases_the_reused_buffers() -> None:
     q2, kc2, vc2, _, continuation2 = _case(48, 8, 9, 3, torch.float32, seed=5)
     _prefill_attention(q2, kc2, vc2, continuation2, 0.125)
     assert torch.equal(first, kept)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_a_narrower_cache_is_read_in_the_query_dtype(kv_dtype: torch.dtype) -> None:
+    """kv_dtype: both prefill paths equal the fp32 computation over the stored (rounded) values."""
+    q, kc, vc, masked, continuation = _case(200, 40, 9, 3, torch.float32, seed=2)
+    narrow_k, narrow_v = kc.to(kv_dtype), vc.to(kv_dtype)
+    for meta in (masked, continuation):
+        got = _prefill_attention(q, narrow_k, narrow_v, meta, 0.125)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, _prefill_attention(q, narrow_k.float(), narrow_v.float(), meta, 0.125))

@@ -10,6 +10,11 @@ rotated keys and values of the packed row, writes them into their cache slots, a
   On the CPU, a lone chunk that continues cached tokens (a new turn on a long history) takes
   `_continuation_attention` instead, when its scores fit `CONTINUATION_MAX_SCORES`.
 
+The KV tensors may be stored in a narrower dtype than the model's (`kv_dtype`): writes are cast
+to the storage dtype, and every read converts what it gathered back to the model's dtype, so the
+attention math always runs in the model's dtype. With `kv_dtype=auto` the dtypes are equal and
+the conversions are no-ops (`Tensor.to` returns the tensor itself): no copy is added.
+
 The step's metadata (`StepMeta`) travels as the `chatcore_step` keyword argument, which
 transformers passes through to this function unchanged. The name is not registered as a mask
 function, so transformers skips building any mask.
@@ -69,8 +74,8 @@ def _prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: to
     num_seqs, max_q, max_ctx = meta.num_seqs, meta.max_q, meta.max_ctx
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = key_cache.shape[2]
-    keys = key_cache[meta.block_tables].flatten(1, 2)[:, :max_ctx]  # [P, L, KVH, D]
-    values = value_cache[meta.block_tables].flatten(1, 2)[:, :max_ctx]
+    keys = key_cache[meta.block_tables].flatten(1, 2)[:, :max_ctx].to(q.dtype)  # [P, L, KVH, D]
+    values = value_cache[meta.block_tables].flatten(1, 2)[:, :max_ctx].to(q.dtype)
     if meta.scatter is None:
         q_pad = q.unsqueeze(0)
     else:
@@ -127,8 +132,8 @@ def _continuation_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cach
     group = heads // kv_heads
     start = meta.start
     length = start + tokens
-    keys = key_cache[meta.block_tables[0]].flatten(0, 1)[:length]  # [L, KVH, D]
-    values = value_cache[meta.block_tables[0]].flatten(0, 1)[:length]
+    keys = key_cache[meta.block_tables[0]].flatten(0, 1)[:length].to(q.dtype)  # [L, KVH, D]
+    values = value_cache[meta.block_tables[0]].flatten(0, 1)[:length].to(q.dtype)
     rows = (q * scale).reshape(tokens, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * tokens, dim)
     shape = (kv_heads, group * tokens, length)
     scores = torch.bmm(rows, keys.permute(1, 2, 0), out=_scratch.take("scores", shape, q.dtype))
