@@ -26,8 +26,9 @@ import torch
 
 from chatcore.config import Settings
 
-SUITES = ["throughput", "multiturn", "hitrate", "memory", "sharing", "resume", "server"]
-MODULES = {"multiturn": "bench.multiturn", "hitrate": "bench.hitrate"}
+SUITES = ["throughput", "multiturn", "hitrate", "memory", "sharing", "resume", "server", "sessions"]
+MODULES = {"multiturn": "bench.multiturn", "hitrate": "bench.hitrate", "sessions": "bench.sessions"}
+OPTIONS = ("sessions", "turns", "kv_cache_gb", "kv_disk_gb")  # suite parameters (the sessions suite's)
 
 
 def _log(message: str) -> None:
@@ -66,7 +67,8 @@ def bench_command(args: argparse.Namespace, settings: Settings) -> int:
     out.mkdir(parents=True, exist_ok=True)
     threads = settings.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
-    ctx = Context(settings=settings, quick=bool(args.quick), tiny=tiny, out=out, threads=threads, log=_log)
+    ctx = Context(settings=settings, quick=bool(args.quick), tiny=tiny, out=out, threads=threads, log=_log,
+                  options={key: getattr(args, key, None) for key in OPTIONS})
     mode = {"quick": ctx.quick, "tiny": tiny, "dtype": ctx.dtype_name, "threads": threads,
             "block_size": settings.block_size}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
@@ -20,6 +21,14 @@ TINY_ENV = "CHATCORE_BENCH_TINY"
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The nearest-rank `q` quantile (0 < q <= 1); NaN when empty."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 def target(name: str, value: float, op: str, threshold: float, detail: str = "") -> dict[str, Any]:
@@ -131,6 +140,7 @@ class Context:
     out: Path
     threads: int
     log: Callable[[str], None] = print
+    options: dict[str, Any] = field(default_factory=dict)  # suite parameters from the command line
     _loaded: Any = field(default=None, repr=False)
     _hf: Any = field(default=None, repr=False)
 

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,12 +51,13 @@ class Server:
 
 
 def server_settings(ctx: Context, **extra: Any) -> dict[str, str]:
+    """CHATCORE_* values for a server; a setting given as None is left to the server's default."""
     s = ctx.settings
     settings = {"model": s.model, "dtype": s.dtype, "block_size": s.block_size, "threads": ctx.threads,
                 "cache_dir": s.cache_dir, "kv_cache_gb": 1.0, "max_turns_per_tenant": 64,
                 "max_queue_wait_s": 600, "hot_window_s": 30}
     settings.update(extra)
-    return {k: str(v) for k, v in settings.items()}
+    return {k: str(v) for k, v in settings.items() if v is not None}
 
 
 def start(ctx: Context, data_dir: Path, **extra: Any) -> Server:
@@ -95,6 +97,12 @@ def start_many(ctx: Context, specs: dict[str, tuple[Path, dict[str, Any]]]) -> d
             server.stop()
         raise error
     return started
+
+
+def admin_cache(server: Server) -> dict[str, Any]:
+    """`GET /v1/admin/cache` (open mode: the local tenant is admin): the audit and the tiers."""
+    with urllib.request.urlopen(server.base_url + "/v1/admin/cache", timeout=60) as response:
+        return json.loads(response.read())
 
 
 @dataclass

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -130,3 +131,21 @@ def _plot_server(r: dict[str, Any], out: Path) -> list[str]:
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"{r['sessions']} concurrent sessions")
     return [_save(fig, out, "server")]
+
+
+def _plot_sessions(r: dict[str, Any], out: Path) -> list[str]:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (name, run) in enumerate(r["runs"].items()):
+        color = f"C{i}"
+        turns = [t["turn"] for t in run["per_turn"]]
+        ax.plot(turns, [t["ttft_median_ms"] for t in run["per_turn"]], "o-", color=color, label=f"{name}: median")
+        ax.plot(turns, [t["ttft_p90_ms"] for t in run["per_turn"]], ":", color=color, label=f"{name}: p90")
+        ax.axhline(run["cold"]["ttft_ms"], color=color, linestyle="--", alpha=0.6, label=f"{name}: cold, final length")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_xlabel("turn (all sessions round-robin)")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_yscale("log")
+    ax.set_title("TTFT per turn, sessions taking turns round-robin")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    return [_save(fig, out, "sessions")]

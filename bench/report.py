@@ -71,10 +71,28 @@ def markdown_table(data: dict[str, Any]) -> str:
                             f"{_num(lim['streaming_gemm_ceiling_tok_s'])} tok/s that one step's matmuls allow when "
                             f"the weights stream from memory ({_num(lim['streaming_gemm_step_ms'])} ms per step)."
                             if "streaming_gemm_ceiling_tok_s" in lim else "."))
+    lines += _sessions_table(suites.get("sessions", {}))
     for name, s in suites.items():
         if s.get("error"):
             lines.append(f"\nSuite {name} failed: {s['error']}")
     return "\n".join(lines) + "\n"
+
+
+def _sessions_table(suite: dict[str, Any]) -> list[str]:
+    runs = suite.get("runs")
+    if not runs:
+        return []
+    policies = ("lru", "cost", "session", "belady", "one_slot")
+    lines = ["", "| sessions run | tiers (device / disk blocks) | final-turn TTFT median (ms) | cold (ms) | ratio | "
+             "from disk: turns, ratio | replay hit rate: " + " / ".join(policies) + " |", "|---|---|---|---|---|---|---|"]
+    for name, r in runs.items():
+        hits = r["replay"]["policies"]
+        lines.append(f"| {name} ({r['sessions']} x {r['turns']}) | {_num(r['device_blocks'])} / "
+                     f"{_num(r['disk_blocks'])} | {_num(r['per_turn'][-1]['ttft_median_ms'])} | "
+                     f"{_num(r['cold']['ttft_ms'])} | {_num(r['final_over_cold'])} | {r['disk_final']['turns']}, "
+                     f"{_num(r['disk_final']['over_cold'])} | "
+                     + " / ".join(f"{hits[p]['hit_rate']:.1%}" if p in hits else "n/a" for p in policies) + " |")
+    return lines
 
 
 def update_readme(readme: Path, table: str, plots: list[str]) -> None:

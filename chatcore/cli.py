@@ -140,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--suite", default="all")
     bench.add_argument("--quick", action="store_true")
     bench.add_argument("--out", default="bench/results")
+    bench.add_argument("--sessions", default=None, help="sessions suite: session counts, e.g. 16,64,256")
+    bench.add_argument("--turns", type=int, default=None, help="sessions suite: turns per session")
+    bench.add_argument("--kv-disk-gb", dest="kv_disk_gb", type=_gb_or_auto, default=None,
+                       help="sessions suite: the disk tier budget of its default-tier runs (GiB, 0: off, auto)")
     _add_engine_flags(bench)
     bench.set_defaults(handler=_bench)
     return parser

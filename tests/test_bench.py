@@ -79,7 +79,7 @@ def test_bench_all_quick_tiny(tmp_path: Path, default_model_dir: Path) -> None:
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["machine"]["tiny"] and data["machine"]["cpu"] and data["machine"]["torch"]
     suites = data["suites"]
-    assert set(suites) == {"throughput", "multiturn", "hitrate", "memory", "sharing", "resume", "server"}
+    assert set(suites) == {"throughput", "multiturn", "hitrate", "memory", "sharing", "resume", "server", "sessions"}
     for name, suite in suites.items():
         assert "error" not in suite, (name, suite.get("error"))
         assert suite["targets"], name
@@ -87,8 +87,8 @@ def test_bench_all_quick_tiny(tmp_path: Path, default_model_dir: Path) -> None:
             assert {"name", "value", "op", "threshold", "met"} <= set(t)
         for plot in suite["plots"]:
             assert (tmp_path / plot).stat().st_size > 1000
-    assert len(data["targets"]) == 11
+    assert len(data["targets"]) == 15
     table = (tmp_path / "table.md").read_text()
-    assert table.count("\n| ") >= 11
+    assert table.count("\n| ") >= 15
     assert suites["throughput"]["systems"]["llama_cpp"]["skipped"]
     assert suites["resume"]["rows"][0]["disk_cached_disk_tokens"] > 0

@@ -1,0 +1,265 @@
+"""Suite 8, sessions: many conversations taking turns round-robin over a real server.
+
+Each run starts a fresh `chatcore serve` (its own data directory: database and disk tier) and
+opens N WebSocket sessions, kept open across turns. The sessions have no system prompt (all
+share the template's default one) and take T turns each, round-robin and one turn at a time:
+turn 1 of every session, then turn 2 of every session, and so on. A turn is a ~90-token user
+message (seeded English-like text) answered with 8 greedy tokens, EOS ignored, so each
+history grows by ~100 tokens a turn. Per turn: the median and p90 of the server's TTFT
+(`done.timing.ttft_ms`) and the mean prompt, device-cached, disk-cached and recomputed tokens.
+
+Cold TTFT, on the same server after the trace: three fresh sessions whose first prompt has the
+final turn's token count (unique text: only the shared template prefix can hit); the median.
+
+Runs: the given session counts (default 64 and 256, --quick 16) on the given tier sizes
+(default: the server's own), and `overflow`: 64 sessions (--quick 8) on tiny tiers, sized from
+the model's KV bytes per token so that the final turn's working set is `OVERFLOW` x the device
+pool plus the disk budget, the device pool being 1/9 of the two (at least two final-turn
+histories). Each run's token trace is also replayed offline (`bench.replay`) at one cache of the
+device pool's size (overflow: device plus disk blocks) under LRU, the pool's cost and session
+policies, Belady's optimum, and a one-cache-per-slot server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import live
+from bench.common import Context, median, quantile, target
+from bench.replay import Request, replay
+from bench.workload import TOKEN_HI, TOKEN_LO, text_of_tokens
+from chatcore.engine.core import depth_cost, kv_storage_dtype
+from chatcore.sessions.template import ChatTemplate
+
+OVERFLOW = 1.5
+DEVICE_SHARE = 1 / 9  # of device + disk in the overflow run
+COLD_PROBES = 3
+TARGETS = {64: 0.1, 256: 0.2}  # final-turn median TTFT over cold, on default tiers
+OVERFLOW_TARGET, DISK_TARGET, BELADY_TARGET = 0.35, 0.15, 0.8
+
+
+@dataclass
+class Plan:
+    name: str
+    sessions: int
+    turns: int
+    tiers: dict[str, Any]  # CHATCORE_* settings for the server (none: its defaults)
+    overflow: bool = False
+    sizing: dict[str, Any] = field(default_factory=dict)
+
+
+def sizes(ctx: Context) -> dict[str, Any]:
+    opts = ctx.options
+    if ctx.tiny:
+        base = {"sessions": [3], "turns": 3, "overflow_sessions": 6, "user_tokens": 16, "answer_tokens": 4}
+    elif ctx.quick:
+        base = {"sessions": [16], "turns": 4, "overflow_sessions": 8, "user_tokens": 90, "answer_tokens": 8}
+    else:
+        base = {"sessions": [64, 256], "turns": 10, "overflow_sessions": 64, "user_tokens": 90, "answer_tokens": 8}
+    if opts.get("sessions"):
+        base["sessions"] = [int(n) for n in str(opts["sessions"]).split(",")]
+    if opts.get("turns"):
+        base["turns"] = int(opts["turns"])
+    return base
+
+
+def kv_bytes_per_token(ctx: Context) -> int:
+    """Layers x 2 (K and V) x KV heads x head dim x the KV dtype's size, from the loaded model."""
+    loaded = ctx.loaded
+    dtype = kv_storage_dtype(ctx.settings, loaded)
+    return loaded.num_layers * 2 * loaded.num_kv_heads * loaded.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def messages(tok: Any, sessions: int, turns: int, user_tokens: int, seed: int) -> list[list[str]]:
+    """messages[s][t]: session s's user message at turn t."""
+    out = []
+    for s in range(sessions):
+        rng = random.Random(seed * 100_003 + s)
+        out.append([text_of_tokens(tok, rng, user_tokens, prefix=f"Session {s}, turn {t + 1}:") for t in range(turns)])
+    return out
+
+
+def token_trace(template: ChatTemplate, msgs: list[list[str]], answer_tokens: int, seed: int) -> list[Request]:
+    """The prompts the server builds for `msgs` round-robin; answers are seeded stand-in ids."""
+    rng = random.Random(seed)
+    eot = tuple(template.close_answer([]))
+    histories: list[tuple[int, ...]] = [()] * len(msgs)
+    trace = []
+    for turn in range(len(msgs[0])):
+        for s, session in enumerate(msgs):
+            if turn == 0:
+                prompt = tuple(template.first_turn(None, session[0]))
+            else:
+                delta = template.next_turn([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}],
+                                           session[turn])
+                if delta.rerendered:
+                    raise RuntimeError("the chat template is not prefix-stable: the replay cannot follow the server")
+                prompt = histories[s] + tuple(delta.tokens)
+            generated = tuple(rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(answer_tokens))
+            trace.append(Request(s, turn, prompt, generated, eot))
+            histories[s] = trace[-1].history
+    return trace
+
+
+def overflow_tiers(trace: list[Request], block_size: int, per_token: int) -> dict[str, Any]:
+    """Device pool and disk budget whose sum is the final working set / OVERFLOW."""
+    final = {r.session: len(r.history) for r in trace}
+    working = sum(n // block_size for n in final.values())
+    combined = round(working / OVERFLOW)
+    device = max(round(combined * DEVICE_SHARE), 2 * -(-max(final.values()) // block_size))
+    disk = max(1, combined - device)
+    block_bytes = per_token * block_size
+    return {"working_set_blocks": working, "device_blocks": device, "disk_blocks": disk,
+            "disk_bytes": disk * block_bytes, "block_bytes": block_bytes,
+            "working_set_over_tiers": working / (device + disk)}
+
+
+def plans(ctx: Context, sz: dict[str, Any], overflow_trace: list[Request], per_token: int) -> list[Plan]:
+    opts = ctx.options
+    tiers = {"kv_cache_gb": opts.get("kv_cache_gb"), "kv_disk_gb": opts.get("kv_disk_gb")}
+    out = [Plan(f"{n}x{sz['turns']}", n, sz["turns"], tiers) for n in sz["sessions"]]
+    sizing = overflow_tiers(overflow_trace, ctx.settings.block_size, per_token)
+    out.append(Plan("overflow", sz["overflow_sessions"], sz["turns"],
+                    {"num_blocks": sizing["device_blocks"], "kv_cache_gb": None,
+                     "kv_disk_gb": sizing["disk_bytes"] / (1 << 30)}, overflow=True, sizing=sizing))
+    return out
+
+
+async def _trace_run(server: live.Server, msgs: list[list[str]], answer: int, log: Any, name: str) -> list[list[dict]]:
+    sessions: list[live.ClientSession] = []
+    try:
+        for _ in msgs:
+            sessions.append(await live.connect(server))
+        rows = []
+        for turn in range(len(msgs[0])):
+            rows.append([_record(await s.turn(m[turn], answer, ignore_eos=True)) for s, m in zip(sessions, msgs, strict=True)])
+            log(f"  {name} turn {turn + 1}: median TTFT {median([r['ttft_ms'] for r in rows[-1]]):.0f} ms, "
+                f"cached {median([r['cached_tokens'] for r in rows[-1]]):.0f} of "
+                f"{median([r['prompt_tokens'] for r in rows[-1]]):.0f} (median)")
+        return rows
+    finally:
+        await asyncio.gather(*(s.ws.close() for s in sessions), return_exceptions=True)
+
+
+def _record(result: live.TurnResult) -> dict[str, Any]:
+    u = result.usage
+    return {"ttft_ms": result.server_ttft_ms, "prompt_tokens": u["prompt_tokens"], "cached_tokens": u["cached_tokens"],
+            "cached_device_tokens": u["cached_device_tokens"], "cached_disk_tokens": u["cached_disk_tokens"],
+            "recomputed_tokens": u["recomputed_tokens"]}
+
+
+def cold_message(template: ChatTemplate, tok: Any, length: int, prefix: str) -> str:
+    """A first message whose prompt (default system prompt included) is `length` tokens, or close."""
+    size = length - len(template.first_turn(None, prefix))
+    for _ in range(6):
+        text = text_of_tokens(tok, random.Random(prefix), max(1, size), prefix=prefix)
+        got = len(template.first_turn(None, text))
+        if got == length:
+            break
+        size += length - got
+    return text
+
+
+async def _cold_run(server: live.Server, texts: list[str]) -> list[dict[str, Any]]:
+    out = []
+    for text in texts:
+        session = await live.connect(server)
+        try:
+            out.append(_record(await session.turn(text, 1, ignore_eos=True)))
+        finally:
+            await session.ws.close()
+    return out
+
+
+def _summary(rows: list[list[dict]], cold: list[dict[str, Any]]) -> dict[str, Any]:
+    per_turn = []
+    for turn, row in enumerate(rows, 1):
+        ttft = [r["ttft_ms"] for r in row]
+        per_turn.append({"turn": turn, "ttft_median_ms": median(ttft), "ttft_p90_ms": quantile(ttft, 0.9),
+                         **{f"mean_{k}": sum(r[k] for r in row) / len(row)
+                            for k in ("prompt_tokens", "cached_device_tokens", "cached_disk_tokens", "recomputed_tokens")}})
+    cold_ms = median([c["ttft_ms"] for c in cold])
+    disk = [r["ttft_ms"] for r in rows[-1] if r["cached_disk_tokens"] > 0]
+    return {"per_turn": per_turn, "cold": {"ttft_ms": cold_ms, "probes": cold},
+            "final_over_cold": per_turn[-1]["ttft_median_ms"] / cold_ms,
+            "disk_final": {"turns": len(disk), "ttft_median_ms": median(disk), "over_cold": median(disk) / cold_ms}}
+
+
+def run_plan(ctx: Context, plan: Plan, server: live.Server, msgs: list[list[str]], trace: list[Request],
+             template: ChatTemplate, answer_tokens: int) -> dict[str, Any]:
+    info = live.admin_cache(server)
+    rows = asyncio.run(_trace_run(server, msgs, answer_tokens, ctx.log, plan.name))
+    length = round(median([r["prompt_tokens"] for r in rows[-1]]))
+    texts = [cold_message(template, ctx.tokenizer, length, f"Cold probe {i} after run {plan.name}:")
+             for i in range(COLD_PROBES)]
+    bs = ctx.settings.block_size
+    disk_tier = (info.get("tiers") or {}).get("disk")
+    result = {"sessions": plan.sessions, "turns": plan.turns, "server_tiers": info.get("tiers"),
+              "device_blocks": info["audit"]["total"], "disk_blocks": disk_tier["tokens"] // bs if disk_tier else 0,
+              "settings": plan.tiers, **plan.sizing,
+              **_summary(rows, asyncio.run(_cold_run(server, texts)))}
+    blocks = plan.sizing["device_blocks"] + plan.sizing["disk_blocks"] if plan.overflow else result["device_blocks"]
+    result["replay"] = replay(trace, blocks, bs, depth_cost(ctx.loaded, bs))
+    result["replay"]["prompt_tokens_live"] = sum(r["prompt_tokens"] for row in rows for r in row)
+    ctx.log(f"  {plan.name}: final turn {result['per_turn'][-1]['ttft_median_ms']:.0f} ms vs cold "
+            f"{result['cold']['ttft_ms']:.0f} ms ({result['final_over_cold']:.2f}x); replay hit rates " +
+            ", ".join(f"{p} {v['hit_rate']:.1%}" for p, v in result["replay"]["policies"].items()))
+    return result
+
+
+def _targets(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for name, r in runs.items():
+        if name == "overflow":
+            continue
+        limit = TARGETS[64] if r["sessions"] <= 64 else TARGETS[256]
+        out.append(target(f"{name}: final-turn median TTFT <= {limit}x cold", r["final_over_cold"], "<=", limit,
+                          f"{r['per_turn'][-1]['ttft_median_ms']:.0f} vs {r['cold']['ttft_ms']:.0f} ms"))
+    o = runs["overflow"]
+    out.append(target(f"overflow ({o['working_set_over_tiers']:.2f}x the tiers): final-turn median TTFT <= "
+                      f"{OVERFLOW_TARGET}x cold", o["final_over_cold"], "<=", OVERFLOW_TARGET,
+                      f"{o['per_turn'][-1]['ttft_median_ms']:.0f} vs {o['cold']['ttft_ms']:.0f} ms"))
+    out.append(target(f"overflow: final turns from the disk tier, median TTFT <= {DISK_TARGET}x cold",
+                      o["disk_final"]["over_cold"], "<=", DISK_TARGET,
+                      f"{o['disk_final']['turns']} of {o['sessions']} final turns had disk hits"))
+    policies = o["replay"]["policies"]
+    ratio = o["replay"]["session_of_belady"]
+    out.append(target(f"overflow replay: session policy hit rate >= {BELADY_TARGET:.0%} of Belady's",
+                      float("nan") if ratio is None else ratio, ">=", BELADY_TARGET,
+                      f"session {policies.get('session', {}).get('hit_rate', float('nan')):.1%}, belady "
+                      f"{policies['belady']['hit_rate']:.1%}, lru {policies['lru']['hit_rate']:.1%}, "
+                      f"one slot {policies['one_slot']['hit_rate']:.1%}"))
+    return out
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    sz = sizes(ctx)
+    template = ChatTemplate(ctx.tokenizer, ctx.loaded.stop_token_ids)
+    per_token = kv_bytes_per_token(ctx)
+    work: dict[str, tuple[list[list[str]], list[Request]]] = {}
+    for seed, n in enumerate(sorted({*sz["sessions"], sz["overflow_sessions"]}), 1):
+        msgs = messages(ctx.tokenizer, n, sz["turns"], sz["user_tokens"], seed)
+        work[str(n)] = msgs, token_trace(template, msgs, sz["answer_tokens"], seed)
+    runs: dict[str, dict[str, Any]] = {}
+    for plan in plans(ctx, sz, work[str(sz["overflow_sessions"])][1], per_token):
+        root = Path(tempfile.mkdtemp(prefix=f"chatcore-bench-sessions-{plan.name}-"))
+        ctx.log(f"  {plan.name}: {plan.sessions} sessions x {plan.turns} turns, tiers {plan.tiers}")
+        try:
+            server = live.start(ctx, root, **plan.tiers)
+            try:
+                runs[plan.name] = run_plan(ctx, plan, server, *work[str(plan.sessions)], template,
+                                                 sz["answer_tokens"])
+            finally:
+                server.stop()
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    return {"sizes": sz, "kv_bytes_per_token": per_token, "block_size": ctx.settings.block_size, "runs": runs,
+            "targets": _targets(runs)}

@@ -1,0 +1,105 @@
+"""The sessions suite: its offline replay on hand-made traces, its overflow sizing, and a tiny run
+of `chatcore bench --suite sessions` through real servers (CHATCORE_BENCH_TINY=1: the numbers
+mean nothing, only the shape and the sanity of the output are checked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.replay import Request, belady_hits, one_slot_hits, pool_hits, replay
+from bench.sessions import OVERFLOW, overflow_tiers
+
+BS = 4
+
+
+def cyclic(sessions: int, rounds: int) -> list[Request]:
+    """Sessions taking turns round-robin, each sending the same 9-token prompt every turn (a
+    1-token answer, no end-of-turn tokens): 9 computed tokens = 2 full blocks, both looked up
+    ((9 - 1) // 4 = 2), so a hit is 8 tokens. No two sessions share a token."""
+    return [Request(s, t, tuple(100 * s + i for i in range(9)), (7,), ())
+            for t in range(rounds) for s in range(sessions)]
+
+
+def test_belady_on_a_cycle_where_lru_keeps_nothing() -> None:
+    """A B C A B C A B C with room for two sessions (4 blocks).
+
+    LRU always evicts the session that comes next: no hits. Belady, by hand: after A B the cache
+    is full; C evicts B (next used at 4, A at 3); A (3) hits, B (4) misses and evicts A (next at
+    6; C's is 5); C (5) hits, A (6) misses and evicts C (next at 8; B's is 7); B (7) hits, C (8)
+    misses. Three hits of 8 tokens."""
+    trace = cyclic(3, 3)
+    assert belady_hits(trace, 4, BS) == [0, 0, 0, 8, 0, 8, 0, 8, 0]
+    # The pool also holds each request's partial tail block (10 tokens: 3 blocks), hence 5.
+    assert pool_hits(trace, 5, BS, "lru") == [0] * 9
+    assert one_slot_hits(trace) == [0] * 9  # the previous request is always another session
+    with pytest.raises(ValueError):
+        belady_hits(trace, 1, BS)
+
+
+def test_one_slot_reuses_only_the_previous_request() -> None:
+    a0 = Request(0, 0, (1, 2, 3, 4, 5), (6,), (9,))
+    a1 = Request(0, 1, a0.history + (10, 11), (12,), (9,))
+    b0 = Request(1, 0, (1, 2, 30, 40), (6,), (9,))
+    # a1 follows a0: its computed tokens (the prompt and the answer but its last id) are reused.
+    assert one_slot_hits([a0, a1]) == [0, 5]
+    # b0 in between leaves only the two tokens a1 shares with it.
+    assert one_slot_hits([a0, b0, a1]) == [0, 2, 2]
+
+
+def test_replay_with_room_for_everything_hits_alike() -> None:
+    trace = cyclic(3, 3)
+    result = replay(trace, 64, BS)
+    rates = {p: r["hit_rate"] for p, r in result["policies"].items()}
+    assert rates.pop("one_slot") == 0
+    assert list(rates.values()) == [pytest.approx(48 / 81)] * len(rates)  # each turn after the first: 8 of 9
+    assert result["policies"]["belady"]["hit_rate_by_turn"] == [0, pytest.approx(8 / 9), pytest.approx(8 / 9)]
+
+
+def test_overflow_tiers_hold_two_thirds_of_the_working_set() -> None:
+    trace = [Request(s, 0, tuple(range(1000 * s, 1000 * s + 600)), (1,) * 8, (2, 3)) for s in range(40)]
+    sizing = overflow_tiers(trace, 16, 1000)
+    assert sizing["working_set_blocks"] == 40 * (610 // 16)
+    assert sizing["device_blocks"] + sizing["disk_blocks"] == round(sizing["working_set_blocks"] / OVERFLOW)
+    assert sizing["device_blocks"] >= 2 * -(-610 // 16) and sizing["device_blocks"] < sizing["disk_blocks"]
+    assert sizing["disk_bytes"] == sizing["disk_blocks"] * 16 * 1000
+
+
+@pytest.mark.model
+def test_sessions_suite_tiny(tmp_path: Path, default_model_dir: Path) -> None:
+    env = {**os.environ, "CHATCORE_BENCH_TINY": "1", "TOKENIZERS_PARALLELISM": "false"}
+    script = Path(sys.executable).with_name("chatcore")
+    proc = subprocess.run([str(script), "bench", "--suite", "sessions", "--quick", "--sessions", "3", "--turns", "2",
+                           "--out", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    suite = json.loads((tmp_path / "results.json").read_text())["suites"]["sessions"]
+    assert "error" not in suite, suite.get("error")
+    assert set(suite["runs"]) == {"3x2", "overflow"}
+    for name, run in suite["runs"].items():
+        first, last = run["per_turn"]
+        assert len(run["per_turn"]) == 2 and first["ttft_median_ms"] > 0 and last["ttft_p90_ms"] > 0
+        for turn in run["per_turn"]:
+            cached = turn["mean_cached_device_tokens"] + turn["mean_cached_disk_tokens"]
+            assert cached + turn["mean_recomputed_tokens"] == pytest.approx(turn["mean_prompt_tokens"])
+        assert last["mean_cached_device_tokens"] + last["mean_cached_disk_tokens"] > 0, name
+        assert last["mean_prompt_tokens"] > first["mean_prompt_tokens"]
+        assert run["cold"]["ttft_ms"] > 0 and len(run["cold"]["probes"]) == 3
+        for probe in run["cold"]["probes"]:  # the final turn's length, nothing past the shared template prefix
+            assert abs(probe["prompt_tokens"] - last["mean_prompt_tokens"]) <= 2
+            assert probe["cached_tokens"] < first["mean_prompt_tokens"]
+        assert run["final_over_cold"] > 0
+        replayed = run["replay"]
+        assert set(replayed["policies"]) >= {"lru", "cost", "belady", "one_slot"}
+        assert replayed["prompt_tokens"] == pytest.approx(replayed["prompt_tokens_live"], rel=0.02)
+        assert all(0 <= p["hit_rate"] < 1 for p in replayed["policies"].values())
+    overflow = suite["runs"]["overflow"]
+    assert overflow["settings"]["num_blocks"] == overflow["device_blocks"] == overflow["server_tiers"]["device"]["blocks"]
+    assert overflow["disk_blocks"] > 0 and overflow["working_set_over_tiers"] > 1
+    assert len(suite["targets"]) == 4
+    assert (tmp_path / "sessions.png").stat().st_size > 1000
+    assert "| overflow (6 x 2) |" in (tmp_path / "table.md").read_text()
