@@ -151,8 +151,8 @@ def one_slot_hits(trace: Sequence[Request]) -> list[int]:
 
 
 def replay(trace: Sequence[Request], num_blocks: int, block_size: int, depth_cost: float = 0.0) -> dict[str, Any]:
-    """Every policy at `num_blocks`: the token hit rate over the trace, over each turn, and the
-    session/belady ratio (the server's default policy against the optimum)."""
+    """Every policy at `num_blocks`: the token hit rate over the trace and over each turn, and its
+    share of Belady's."""
     hits = {policy: pool_hits(trace, num_blocks, block_size, policy, depth_cost) for policy in POOL_POLICIES}
     hits["belady"] = belady_hits(trace, num_blocks, block_size)
     hits["one_slot"] = one_slot_hits(trace)
@@ -169,5 +169,4 @@ def replay(trace: Sequence[Request], num_blocks: int, block_size: int, depth_cos
     best = policies["belady"]["hit_rate"]
     for result in policies.values():
         result["of_belady"] = result["hit_rate"] / best if best else float("nan")
-    return {"cache_blocks": num_blocks, "prompt_tokens": sum(prompt_tokens), "policies": policies,
-            "session_of_belady": policies["session"]["of_belady"] if "session" in policies else None}
+    return {"cache_blocks": num_blocks, "prompt_tokens": sum(prompt_tokens), "policies": policies}
