@@ -12,7 +12,7 @@ Cold TTFT, on the same server after the trace: three fresh sessions whose first 
 final turn's token count (unique text: only the shared template prefix can hit); the median.
 
 Runs: the given session counts (default 64 and 256, --quick 16) on the given tier sizes
-(default: the server's own), and `overflow`: 64 sessions (--quick 8) on tiny tiers, sized from
+(default: the server's own), and `overflow`: 32 sessions (--quick 8) on tiny tiers, sized from
 the model's KV bytes per token so that the final turn's working set is `OVERFLOW` x the device
 pool plus the disk budget, the device pool being 1/9 of the two (at least two final-turn
 histories). Each run's token trace is also replayed offline (`bench.replay`) at one cache of the
@@ -63,7 +63,7 @@ def sizes(ctx: Context) -> dict[str, Any]:
     elif ctx.quick:
         base = {"sessions": [16], "turns": 4, "overflow_sessions": 8, "user_tokens": 90, "answer_tokens": 8}
     else:
-        base = {"sessions": [64, 256], "turns": 10, "overflow_sessions": 64, "user_tokens": 90, "answer_tokens": 8}
+        base = {"sessions": [64, 256], "turns": 10, "overflow_sessions": 32, "user_tokens": 90, "answer_tokens": 8}
     if opts.get("sessions"):
         base["sessions"] = [int(n) for n in str(opts["sessions"]).split(",")]
     if opts.get("turns"):
