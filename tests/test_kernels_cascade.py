@@ -97,4 +97,5 @@ def test_a_narrower_cache_is_read_in_the_query_dtype(kv_dtype, shared) -> None:
     assert reference._make_plan(table, context, 16)["shared"] == shared
     got = reference.paged_decode_attention(query, keys, values, table, context, 0.125)
     assert got.dtype == torch.float32
-    assert torch.equal(got, reference.paged_decode_attention(query, keys.float(), values.float(), table, context, 0.125))
+    expected = reference.paged_decode_attention(query, keys.float(), values.float(), table, context, 0.125)
+    assert torch.equal(got, expected)
