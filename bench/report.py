@@ -92,6 +92,15 @@ def _sessions_table(suite: dict[str, Any]) -> list[str]:
                      f"{_num(r['cold']['ttft_ms'])} | {_num(r['final_over_cold'])} | {r['disk_final']['turns']}, "
                      f"{_num(r['disk_final']['over_cold'])} | "
                      + " / ".join(f"{hits[p]['hit_rate']:.1%}" if p in hits else "n/a" for p in policies) + " |")
+    for name, r in runs.items():
+        lines += ["", f"Run {name}, per turn (means of tokens over its sessions; TTFT from the server's `done` frames):",
+                  "", "| turn | prompt | cached in the pool | read from disk | recomputed | TTFT median (ms) | p90 (ms) |",
+                  "|---|---|---|---|---|---|---|"]
+        for t in r["per_turn"]:
+            lines.append(f"| {t['turn']} | {t['mean_prompt_tokens']:.0f} | {t['mean_cached_device_tokens']:.0f} | "
+                         f"{t['mean_cached_disk_tokens']:.0f} | {t['mean_recomputed_tokens']:.0f} | "
+                         f"{_num(t['ttft_median_ms'])} | {_num(t['ttft_p90_ms'])} |")
+        lines.append(f"| cold, a fresh session of the final turn's length | | | | | {_num(r['cold']['ttft_ms'])} | |")
     return lines
 
 

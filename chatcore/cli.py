@@ -6,6 +6,7 @@ Flags whose `dest` matches a `Settings` field override the environment (`CHATCOR
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -40,6 +41,18 @@ def _keys_create(args: argparse.Namespace, settings: Settings) -> int:
     return keys_create_command(settings, tenant=args.tenant, admin=args.admin)
 
 
+def _keys_list(args: argparse.Namespace, settings: Settings) -> int:
+    from chatcore.store.commands import keys_list_command
+
+    return keys_list_command(settings, tenant=args.tenant)
+
+
+def _keys_revoke(args: argparse.Namespace, settings: Settings) -> int:
+    from chatcore.store.commands import keys_revoke_command
+
+    return keys_revoke_command(settings, args.key_id)
+
+
 def _serve(args: argparse.Namespace, settings: Settings) -> int:
     from chatcore.server.run import serve_command
 
@@ -56,6 +69,9 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
     from bench.cli import bench_command
 
     return bench_command(args, settings)
+
+
+PRIVATE_COMMANDS = {"serve", "migrate", "keys", "cluster"}
 
 
 def _gb_or_auto(value: str) -> float | str:
@@ -116,6 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--admin", action="store_true", help="the key may read /v1/admin/*")
     create.add_argument("--database-url", dest="database_url", default=None)
     create.set_defaults(handler=_keys_create)
+    listing = keys_sub.add_parser("list", help="list API keys (ids, tenants, prefixes; never the keys)")
+    listing.add_argument("--tenant", default=None, help="only this tenant's keys")
+    listing.add_argument("--database-url", dest="database_url", default=None)
+    listing.set_defaults(handler=_keys_list)
+    revoke = keys_sub.add_parser("revoke", help="revoke an API key by its id")
+    revoke.add_argument("key_id", help="the key's id, from `chatcore keys list`")
+    revoke.add_argument("--database-url", dest="database_url", default=None)
+    revoke.set_defaults(handler=_keys_revoke)
 
     serve = sub.add_parser("serve", help="serve the UI, the WebSocket API and the OpenAI-compatible API")
     serve.add_argument("--host", default=None)
@@ -124,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-disk-gb", dest="kv_disk_gb", type=_gb_or_auto, default=None,
                        help="disk tier budget in GiB (0: off), or auto")
     serve.add_argument("--eviction-policy", dest="eviction_policy", default=None, choices=["session", "cost", "lru"])
+    serve.add_argument("--insecure-open-mode", dest="insecure_open_mode", action="store_true", default=None,
+                       help="serve without API keys off loopback: anyone who reaches it can use it")
     _add_engine_flags(serve)
     serve.set_defaults(handler=_serve)
 
@@ -158,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     handler: Handler = args.handler
+    if args.command in PRIVATE_COMMANDS:
+        os.umask(0o077)  # the database, the KV files and their folders: the server's user's alone
     return handler(args, settings)
 
 

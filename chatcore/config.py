@@ -37,7 +37,9 @@ class Settings(BaseSettings):
     num_blocks: int | None = Field(None, ge=1, description="overrides kv_cache_gb")
     low_watermark: float = Field(0.15, ge=0, lt=1)
     high_watermark: float = Field(0.30, ge=0, lt=1)
-    cache_scope: Literal["global", "tenant"] = "global"
+    cache_scope: Literal["global", "tenant"] = Field(
+        "tenant", description="tenant: prefix blocks are shared within a tenant only; global: across tenants, "
+        "which lets one tenant learn, from cached_tokens or timing, whether another's prompt starts with a guess")
     eviction_policy: Literal["lru", "cost", "session"] = Field(
         "session", description="session: whole conversations, the one expected back last first")
     debug_audit: bool = False
@@ -46,11 +48,14 @@ class Settings(BaseSettings):
     max_batch_tokens: int = Field(512, ge=16, description="tokens per engine step")
     max_num_seqs: int = Field(64, ge=1)
     max_queue_wait_s: float = Field(30.0, gt=0)
+    max_waiting_requests: int = Field(1024, ge=1, description="requests queued for the engine at most; past it: busy")
 
     # Paths.
     cache_dir: Path = Path("~/.cache/chatcore")
     data_dir: Path = Path("~/.local/share/chatcore")
     database_url: str | None = None
+    sqlite_synchronous: Literal["NORMAL", "FULL"] = Field(
+        "NORMAL", description="NORMAL: a power loss may lose the last acknowledged turns; FULL: fsync every commit")
     kv_disk_dir: Path | None = None
     kv_disk_gb: Annotated[float, Field(ge=0)] | Literal["auto"] = Field(
         "auto", description="disk tier budget in GiB (0: off); auto: a fifth of the free disk, 1-64 GiB")
@@ -74,6 +79,8 @@ class Settings(BaseSettings):
     max_turns_per_tenant: int = Field(16, ge=1)
     allowed_origins: list[str] = Field(default_factory=list)
     allowed_hosts: list[str] = Field(default_factory=list, description="Host names open mode answers besides loopback")
+    insecure_open_mode: bool = Field(
+        False, description="serve without API keys even off loopback (a bind address or ALLOWED_HOSTS): no access control")
 
     @model_validator(mode="after")
     def _expand(self) -> "Settings":

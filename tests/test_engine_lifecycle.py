@@ -220,3 +220,20 @@ def test_pool_grows_and_shrinks_under_a_running_request(make_core, loaded_fp32) 
     out = run_to_end(core)[req.request_id]
     assert out.outputs[0].finish_reason == "length"
     _assert_idle(core)
+
+
+def test_a_full_waiting_queue_refuses_with_queue_full_and_keeps_nothing(make_core, loaded_fp32) -> None:
+    from chatcore.engine.scheduler import QueueFull
+
+    core = make_core(max_waiting_requests=2)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    requests = [core.make_request(chat_ids(loaded_fp32.tokenizer, q), params) for q in QUESTIONS[:3]]
+    core.add(requests[0])
+    core.add(requests[1])
+    with pytest.raises(QueueFull):
+        core.add(requests[2])
+    assert requests[2].request_id not in core.requests and len(core.scheduler.waiting) == 2
+    while core.has_work:
+        core.step()
+    report = audit(core.pool)
+    assert report.ok and report.used == 0, report.format()

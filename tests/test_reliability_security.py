@@ -1,5 +1,5 @@
 """Security checks (issue 9, item 6), against a keyed server (tenants `ops` (admin), `alpha`, `beta`) with the
-prefix cache scoped per tenant and the disk tier on.
+prefix cache scoped per tenant (the default) and the disk tier on.
 
 Beyond tests/test_server_auth.py (fixed route list, one isolation case each): every route the OpenAPI schema
 lists needs a key; nothing of one tenant (sessions, titles, block map entries, metric labels, prefix hits)
@@ -52,7 +52,7 @@ def secure(tmp_path_factory):
     cli = types.SimpleNamespace(env={**os.environ, "CHATCORE_DATA_DIR": str(data)})
     keys = {"ops": create_key(cli, "ops", admin=True), "alpha": create_key(cli, "alpha"),
             "beta": create_key(cli, "beta")}
-    server = start_server(data, cache_scope="tenant", allowed_origins=json.dumps([ALLOWED_ORIGIN]),
+    server = start_server(data, allowed_origins=json.dumps([ALLOWED_ORIGIN]),  # the default cache scope
                           hot_window_s=600, max_tokens_limit=64)
     server.keys, server.admin_key = keys, keys["ops"]
     server.root = root

@@ -3,8 +3,11 @@ against real server processes (keys are made with `chatcore keys create` before 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import subprocess
+import sys
 import types
 import uuid
 
@@ -35,16 +38,16 @@ def keyed_server(data_dir, **settings):
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
-    """Keyed mode with the prefix cache scoped per tenant."""
-    server = keyed_server(tmp_path_factory.mktemp("keyed-tenant-scope"), cache_scope="tenant")
+    """Keyed mode with the default cache scope: per tenant."""
+    server = keyed_server(tmp_path_factory.mktemp("keyed-tenant-scope"))
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
 def keyed_global(tmp_path_factory):
-    """Keyed mode with the default (global) cache scope."""
-    server = keyed_server(tmp_path_factory.mktemp("keyed-global-scope"))
+    """Keyed mode with the prefix cache shared across tenants (an explicit choice)."""
+    server = keyed_server(tmp_path_factory.mktemp("keyed-global-scope"), cache_scope="global")
     yield server
     server.stop()
 
@@ -261,3 +264,23 @@ def test_the_first_key_switches_a_running_server_to_keyed_mode(tmp_path) -> None
         wait_for_status(server, "/v1/sessions", 401, deadline_s=OPEN_MODE_RECHECK_S + 10)
     finally:
         server.stop()
+
+
+async def test_a_revoked_key_loses_its_open_websockets_and_its_requests(keyed) -> None:
+    from chatcore.server.auth import REVOKE_CHECK_S
+
+    key = create_key(keyed, "gamma")
+    async with keyed.connect(key) as ws:
+        await hello(ws, title="soon revoked")
+        listed = subprocess.run([sys.executable, "-m", "chatcore.cli", "keys", "list", "--tenant", "gamma"],
+                                env=keyed.env, capture_output=True, text=True, check=True, timeout=60)
+        key_id = listed.stdout.split()[0]
+        subprocess.run([sys.executable, "-m", "chatcore.cli", "keys", "revoke", key_id], env=keyed.env,
+                       capture_output=True, text=True, check=True, timeout=60)
+        # The server notices on its own clock: the socket gets `unauthorized`, then 1008.
+        frame = json.loads(await asyncio.wait_for(ws.recv(), timeout=REVOKE_CHECK_S * 5))
+        assert frame["type"] == "error" and frame["code"] == "unauthorized", frame
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            await asyncio.wait_for(ws.recv(), timeout=REVOKE_CHECK_S * 5)
+        assert closed.value.rcvd.code == 1008
+    assert call(keyed, "GET", "/v1/sessions", headers=bearer(key)).status_code == 401

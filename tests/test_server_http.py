@@ -309,6 +309,8 @@ async def test_concurrent_turns_per_tenant_limit(limits) -> None:
         resp = raw(limits, "POST", "/v1/chat/completions",
                    json.dumps({"messages": MSG, "max_tokens": 2}).encode(), {"X-Session-Id": session_b["session_id"]})
         assert_error(resp, 429, "busy")
+        resp = raw(limits, "POST", "/v1/chat/completions", json.dumps({"messages": MSG, "max_tokens": 2}).encode())
+        assert_error(resp, 429, "busy")  # a stateless request counts against the tenant's turns too
         await still_open(b)
         await a.send(json.dumps({"type": "cancel"}))
         done = (await recv_until(a, "done"))[-1]

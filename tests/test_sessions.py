@@ -114,14 +114,20 @@ async def test_cold_and_back_answers_like_a_session_that_stayed(make_services) -
     assert back["usage"]["cached_tokens"] == 0 and same["usage"]["cached_tokens"] > 0
 
 
-async def test_disk_tier_serves_a_cold_session_and_rejects_bad_files(make_services, tmp_path) -> None:
+async def one_turn_then_only_on_disk(make_services):
+    """A session with one turn, gone cold, whose blocks are on disk and no longer in the pool."""
     services = await make_services(kv_disk_gb=1, hot_window_s=0)
-    tenant = services.local_tenant_id
-    state, _ = await services.sessions.create(tenant, system_prompt=LONG_SYSTEM)
+    state, _ = await services.sessions.create(services.local_tenant_id, system_prompt=LONG_SYSTEM)
     await run_turn(services, state, "Can I change my booking?")
     await services.turns.background_idle()
     await services.sessions.go_cold(state)
     await services.engine.call(lambda core: core.pool.evict_cached())
+    return services, state
+
+
+async def test_disk_tier_serves_a_cold_session_and_rejects_bad_files(make_services, tmp_path) -> None:
+    services, state = await one_turn_then_only_on_disk(make_services)
+    tenant = services.local_tenant_id
     files = sorted((services.settings.resolved_kv_disk_dir).rglob("*.kvb"))
     assert len(files) >= len(state.tokens) // services.settings.block_size - 1
 

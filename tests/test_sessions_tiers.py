@@ -9,8 +9,7 @@ from chatcore.cache import audit, chain_hashes, longest_prefix
 from chatcore.sessions.disk_tier import DiskTier
 from chatcore.store.db import create_engine, create_sessionmaker, migrate
 from chatcore.store.repos import Repos
-from tests.engine_helpers import LONG_SYSTEM
-from tests.test_sessions import make_services, run_turn  # noqa: F401  (a fixture)
+from tests.test_sessions import make_services, one_turn_then_only_on_disk, run_turn  # noqa: F401  (a fixture)
 
 
 class Ticks:
@@ -89,15 +88,45 @@ async def test_unclaimed_blocks_go_before_any_conversation(tmp_path) -> None:
         tier.close()
 
 
-async def test_prefetch_brings_a_cold_history_into_the_pool_before_its_turn(make_services) -> None:  # noqa: F811
-    services = await make_services(kv_disk_gb=1, hot_window_s=0)
-    tenant = services.local_tenant_id
-    state, _ = await services.sessions.create(tenant, system_prompt=LONG_SYSTEM)
-    await run_turn(services, state, "Can I change my booking?")
-    await services.turns.background_idle()
-    await services.sessions.go_cold(state)
-    await services.engine.call(lambda core: core.pool.evict_cached())
+async def test_a_whole_file_that_is_not_the_one_indexed_is_rejected(tmp_path) -> None:
+    tier, _ = await disk_tier(tmp_path, blocks_budget=10)
+    try:
+        chain = [bytes([1, k]) * 8 for k in range(3)]
+        await tier.save([(h, block(k)) for k, h in enumerate(chain)])
+        # Block 1's file replaced by another, internally consistent, file for the same hash.
+        tier.files.write(chain[1], block(7))
+        loaded = await tier.load(chain)
+        assert len(loaded) == 1 and torch.equal(loaded[0], block(0))
+        assert tier.rejected == 1 and await on_disk(tier, chain) == [chain[0], chain[2]]
+    finally:
+        tier.close()
 
+
+async def test_the_sweep_removes_old_unindexed_and_temporary_files_only(tmp_path) -> None:
+    import os
+    import time
+
+    tier, _ = await disk_tier(tmp_path, blocks_budget=10)
+    try:
+        indexed, orphan, fresh = b"i" * 16, b"o" * 16, b"f" * 16
+        await tier.save([(indexed, block(1))])
+        tier.files.write(orphan, block(2))  # written, then the process died before indexing it
+        tier.files.write(fresh, block(3))  # another replica's, not indexed yet
+        temporary = tier.files.path_for(orphan).parent / ".tmp-crashed"
+        temporary.write_bytes(b"half a block")
+        old = time.time() - 3600
+        for path in (tier.files.path_for(indexed), tier.files.path_for(orphan), temporary):
+            os.utime(path, (old, old))
+        assert await tier.sweep() == 2
+        assert not tier.files.path_for(orphan).exists() and not temporary.exists()
+        assert tier.files.read(indexed) is not None and tier.files.path_for(fresh).exists()
+    finally:
+        tier.close()
+
+
+async def test_prefetch_brings_a_cold_history_into_the_pool_before_its_turn(make_services) -> None:  # noqa: F811
+    services, state = await one_turn_then_only_on_disk(make_services)
+    tenant = services.local_tenant_id
     reopened = await services.sessions.open(tenant, state.id)
     bs = services.settings.block_size
     salt = services.engine.core.salt(reopened.scope_key)

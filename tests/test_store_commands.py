@@ -13,11 +13,11 @@ from chatcore.store.repos import ApiKeyRepo
 from tests.test_store_support import sqlite_url
 
 
-def _chatcore(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _chatcore(data_dir: Path, *args: str, expect: int = 0) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "CHATCORE_DATABASE_URL"}
     env["CHATCORE_DATA_DIR"] = str(data_dir)
     result = subprocess.run([sys.executable, "-m", "chatcore.cli", *args], env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == expect, result.stderr
     return result
 
 
@@ -47,3 +47,20 @@ async def test_keys_create_prints_a_working_key_once(tmp_path: Path) -> None:
 def test_masked_url_hides_passwords() -> None:
     masked = masked_url("postgresql+asyncpg://chat:s3cret@db.example/chatcore")
     assert "s3cret" not in masked and "chat:***@db.example" in masked
+
+
+def test_keys_list_and_revoke(tmp_path: Path) -> None:
+    alpha = _chatcore(tmp_path, "keys", "create", "--tenant", "alpha").stdout.strip()
+    beta = _chatcore(tmp_path, "keys", "create", "--tenant", "beta", "--admin").stdout.strip()
+    lines = _chatcore(tmp_path, "keys", "list").stdout.splitlines()
+    assert len(lines) == 2 and all(line.endswith("active") for line in lines)
+    assert "alpha" in lines[0] and "user" in lines[0] and "beta" in lines[1] and "admin" in lines[1]
+    assert alpha not in "\n".join(lines) and beta not in "\n".join(lines)  # only prefixes: keys are not stored
+    assert f"{alpha[:8]}..." in lines[0]
+    alpha_id = lines[0].split()[0]
+    _chatcore(tmp_path, "keys", "revoke", alpha_id)
+    listed = _chatcore(tmp_path, "keys", "list", "--tenant", "alpha").stdout.splitlines()
+    assert len(listed) == 1 and "revoked" in listed[0]
+    refused = _chatcore(tmp_path, "keys", "revoke", alpha_id, expect=2)  # already revoked
+    assert len(refused.stderr.strip().splitlines()) == 1 and "no active key" in refused.stderr
+    _chatcore(tmp_path, "keys", "revoke", "no-such-id", expect=2)

@@ -83,3 +83,26 @@ def test_alembic_ini_takes_the_url_from_the_environment(database_url: str) -> No
     alembic("upgrade", "head")
     assert "(head)" in alembic("current")
     alembic("check")  # fails when autogenerate would write a new revision
+
+
+def test_the_server_s_files_are_private(tmp_path) -> None:
+    import stat
+
+    data = tmp_path / "new" / "data"
+    env = {**os.environ, "CHATCORE_DATA_DIR": str(data)}
+    subprocess.run([sys.executable, "-m", "chatcore.cli", "migrate"], env=env, check=True, capture_output=True)
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700
+    assert stat.S_IMODE((data / "chatcore.db").stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize(("setting", "pragma"), [("NORMAL", 1), ("FULL", 2)])
+async def test_sqlite_connections_get_the_synchronous_setting_and_a_busy_timeout(tmp_path, setting, pragma) -> None:
+    from chatcore.store.db import BUSY_TIMEOUT_MS
+
+    sqlite = create_engine(f"sqlite+aiosqlite:///{tmp_path / 'x.db'}", setting)
+    try:
+        async with sqlite.connect() as conn:
+            assert (await conn.execute(text("PRAGMA synchronous"))).scalar() == pragma
+            assert (await conn.execute(text("PRAGMA busy_timeout"))).scalar() == BUSY_TIMEOUT_MS
+    finally:
+        await sqlite.dispose()

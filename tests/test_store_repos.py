@@ -57,7 +57,7 @@ async def test_authenticate_and_revoke(repos: Repos) -> None:  # noqa: F811
     admin_key = await repos.keys.create_api_key("acme", admin=True)
     found = await repos.keys.authenticate(key)
     assert found is not None and found[0].name == "acme" and found[1] is False
-    assert (await repos.keys.authenticate(admin_key)) == (found[0], True)
+    assert (await repos.keys.authenticate(admin_key))[:2] == (found[0], True)
     assert await repos.keys.authenticate(key + "x") is None
     assert await repos.keys.authenticate("") is None
 
@@ -70,6 +70,10 @@ async def test_authenticate_and_revoke(repos: Repos) -> None:  # noqa: F811
     assert await repos.keys.authenticate(key) is None
     assert await repos.keys.authenticate(admin_key) is not None
     assert await repos.keys.count_keys() == 2  # revoked keys still count: no fallback to open mode
+    assert found[2] == plain.id
+    assert await repos.keys.revoked_among([plain.id, "no-such-key"]) == {plain.id, "no-such-key"}
+    assert [(k.id, name) for k, name in await repos.keys.list_all("acme")] == [(k.id, "acme") for k in listed]
+    assert await repos.keys.list_all("nobody") == []
 
 
 # Sessions.

@@ -65,7 +65,8 @@ class EngineCore:
                             loaded.head_dim, kv_storage_dtype(settings, loaded))
         self.scheduler = Scheduler(self.pool, max_batch_tokens=settings.max_batch_tokens,
                                    max_num_seqs=settings.max_num_seqs, max_queue_wait_s=settings.max_queue_wait_s,
-                                   max_context=loaded.max_context)
+                                   max_context=loaded.max_context,
+                                   max_waiting=settings.max_waiting_requests)
         self.runner = ModelRunner(loaded, self.kv)
         self.requests: dict[str, Request] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
@@ -110,6 +111,15 @@ class EngineCore:
         for seq in req.live_seqs:
             seq.finish_reason = reason
         return self._finish(req)
+
+    def discard(self, req: Request) -> None:
+        """Release what a request built but never added holds (its prefix table); a request the
+        engine knows is left alone (`abort` ends it)."""
+        if req.request_id in self.requests:
+            return
+        if req.prefix_table is not None and not req.prefix_table.released:
+            req.prefix_table.release()
+        req.prefix_table = None
 
     @property
     def has_work(self) -> bool:

@@ -31,6 +31,10 @@ class RequestRejected(ValueError):
     """A request that can never be served: too long for the context or the pool."""
 
 
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound: try again later (a `busy`, not a request error)."""
+
+
 @dataclass(slots=True)
 class ScheduledSeq:
     req: Request
@@ -75,13 +79,14 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, *, max_batch_tokens: int, max_num_seqs: int,
-                 max_queue_wait_s: float, max_context: int) -> None:
+                 max_queue_wait_s: float, max_context: int, max_waiting: int = 1024) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
         self.max_queue_wait_s = max_queue_wait_s
         self.max_context = max_context
+        self.max_waiting = max_waiting
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
@@ -114,6 +119,8 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.check_fits(req)
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFull(f"{len(self.waiting)} requests are already waiting")
         req.state = RequestState.WAITING
         req.waiting_since = time.monotonic()
         self.waiting.append(req)

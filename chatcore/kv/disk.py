@@ -18,7 +18,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,7 @@ import torch
 
 log = logging.getLogger(__name__)
 MAGIC = b"CCKV\x01\n"
+HEX_NAME = re.compile(r"[0-9a-f]{32}")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -76,11 +79,13 @@ class DiskBlocks:
             raise
         return BlockFile(self.name_for(block_hash), path.stat().st_size, checksum)
 
-    def read(self, block_hash: bytes, *, missing_ok: bool = True) -> torch.Tensor | None:
+    def read(self, block_hash: bytes, *, missing_ok: bool = True, checksum: str | None = None) -> torch.Tensor | None:
         """The block's tensor, or None (the file is then deleted) if missing or not trustworthy.
 
         With `missing_ok=False` a missing file raises `FileNotFoundError` instead: another
-        replica sharing the directory may delete a block (its byte budget) at any time."""
+        replica sharing the directory may delete a block (its byte budget) at any time.
+        `checksum`: the payload's SHA-256 as the index recorded it when the file was written; a
+        file that is whole but not that one (replaced behind the index's back) is rejected too."""
         path = self.path_for(block_hash)
         try:
             data = path.read_bytes()
@@ -88,14 +93,14 @@ class DiskBlocks:
             if not missing_ok:
                 raise
             return None
-        problem = self._check(data, block_hash)
+        problem = self._check(data, block_hash, checksum)
         if isinstance(problem, str):
             log.warning("rejecting KV block file %s: %s", path.name, problem)
             path.unlink(missing_ok=True)
             return None
         return problem
 
-    def _check(self, data: bytes, block_hash: bytes) -> torch.Tensor | str:
+    def _check(self, data: bytes, block_hash: bytes, checksum: str | None) -> torch.Tensor | str:
         if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 4:
             return "bad magic"
         start = len(MAGIC) + 4
@@ -116,11 +121,30 @@ class DiskBlocks:
             return f"truncated ({len(payload)} of {expected} bytes)"
         if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
             return "checksum mismatch"
+        if checksum is not None and header.get("sha256") != checksum:
+            return "not the file the index recorded (checksum differs)"
         tensor = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         try:
             return tensor.view(dtype).reshape(shape)
         except RuntimeError:
             return "payload does not match its shape"
+
+    def old_files(self, min_age_s: float) -> tuple[list[Path], list[bytes]]:
+        """Temporary files, and the hashes of block files, last modified over `min_age_s` ago."""
+        cutoff = time.time() - min_age_s
+        temporary: list[Path] = []
+        blocks: list[bytes] = []
+        for path in self.root.glob("*/*"):
+            try:
+                if path.stat().st_mtime > cutoff:
+                    continue
+            except FileNotFoundError:
+                continue
+            if path.name.startswith(".tmp-"):
+                temporary.append(path)
+            elif path.suffix == ".kvb" and HEX_NAME.fullmatch(path.stem):
+                blocks.append(bytes.fromhex(path.stem))
+        return temporary, blocks
 
     def delete(self, block_hash: bytes) -> None:
         self.path_for(block_hash).unlink(missing_ok=True)

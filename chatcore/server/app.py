@@ -18,7 +18,7 @@ from litestar.static_files import create_static_files_router
 from chatcore.config import Settings
 from chatcore.models.loader import LoadedModel
 from chatcore.server import openai_routes, ops_routes, session_routes
-from chatcore.server.auth import Authenticator, host_allowed
+from chatcore.server.auth import Authenticator, RevocationWatch, host_allowed
 from chatcore.server.errors import (
     ApiError,
     api_error_handler,
@@ -69,9 +69,12 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> Litesta
         services = await Services.start(settings, loaded)
         app.state.services = services
         app.state.auth = Authenticator(services)
+        app.state.revocations = RevocationWatch(services)
+        app.state.revocations.start()
         try:
             yield
         finally:
+            await app.state.revocations.stop()
             await services.stop()
 
     return Litestar(

@@ -7,8 +7,11 @@ clients always send one. As soon as a key exists, every protected route needs on
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -19,6 +22,8 @@ from chatcore.server.services import Services
 from chatcore.store.repos import Repos
 
 OPEN_MODE_RECHECK_S = 2.0
+REVOKE_CHECK_S = 2.0
+log = logging.getLogger(__name__)
 SCOPE_KEY = "chatcore.principal"
 
 
@@ -27,6 +32,7 @@ class Principal:
     tenant_id: str
     tenant_name: str
     is_admin: bool
+    key_id: str | None = None  # None in open mode
 
 
 class Authenticator:
@@ -64,8 +70,56 @@ class Authenticator:
             found = await Repos(db).keys.authenticate(key)
         if found is None:
             raise ApiError("unauthorized", "invalid API key")
-        tenant, is_admin = found
-        return Principal(tenant.id, tenant.name, is_admin)
+        tenant, is_admin, key_id = found
+        return Principal(tenant.id, tenant.name, is_admin, key_id)
+
+
+class RevocationWatch:
+    """Ends what a revoked key still holds open: every `REVOKE_CHECK_S`, the keys of the open
+    WebSockets are looked up in one query, and each socket whose key is revoked is closed (its
+    `close` callback). An HTTP request is authenticated anew each time, so it needs nothing."""
+
+    def __init__(self, services: Services) -> None:
+        self.services = services
+        self._open: dict[int, tuple[str, Callable[[], None]]] = {}
+        self._next = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def register(self, key_id: str, close: Callable[[], None]) -> int:
+        self._next += 1
+        self._open[self._next] = (key_id, close)
+        return self._next
+
+    def unregister(self, handle: int) -> None:
+        self._open.pop(handle, None)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="key-revocations")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(REVOKE_CHECK_S)
+            try:
+                await self.check()
+            except Exception:
+                log.exception("checking for revoked keys failed")
+
+    async def check(self) -> int:
+        """Close the sockets of revoked keys now; returns how many."""
+        if not self._open:
+            return 0
+        async with self.services.sessionmaker() as db:
+            revoked = await Repos(db).keys.revoked_among(sorted({key for key, _ in self._open.values()}))
+        closing = [handle for handle, (key, _) in self._open.items() if key in revoked]
+        for handle in closing:
+            _, close = self._open.pop(handle)
+            close()
+        return len(closing)
 
 
 def _bearer(header: str | None) -> str | None:

@@ -19,7 +19,7 @@ from litestar.response import Stream
 
 from chatcore.engine.outputs import RequestOutput
 from chatcore.engine.request import SamplingParams
-from chatcore.engine.scheduler import RequestRejected
+from chatcore.engine.scheduler import QueueFull, RequestRejected
 from chatcore.server.errors import ApiError
 from chatcore.server.params import sampling_params
 from chatcore.server.services import Services
@@ -97,14 +97,24 @@ async def _engine_events(services: Services, principal_tenant: str, messages: li
         engine.core.scheduler.check_fits(request)
     except RequestRejected as exc:
         raise ApiError("too_large", str(exc)) from exc
+    active = services.sessions.active_turns  # the same per-tenant bound as session turns
+    limit = services.settings.max_turns_per_tenant
+    if active[principal_tenant] >= limit:
+        raise ApiError("busy", f"the tenant already runs {limit} requests")
+    active[principal_tenant] += 1
     final: RequestOutput | None = None
-    async with aclosing(engine.generate(request)) as stream:
-        async for out in stream:
-            for delta in out.deltas:
-                if delta.text:
-                    yield "delta", (delta.index, delta.text)
-            if out.finished:
-                final = out
+    try:
+        async with aclosing(engine.generate(request)) as stream:
+            async for out in stream:
+                for delta in out.deltas:
+                    if delta.text:
+                        yield "delta", (delta.index, delta.text)
+                if out.finished:
+                    final = out
+    except QueueFull as exc:
+        raise ApiError("busy", str(exc)) from exc
+    finally:
+        active[principal_tenant] -= 1
     assert final is not None and final.usage is not None and final.timings is not None
     reasons = {o.index: o.finish_reason for o in final.outputs}
     if final.error is not None and any(r in ("busy", "error") for r in reasons.values()):

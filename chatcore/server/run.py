@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import re
+import sys
 
 import uvicorn
 
 from chatcore.config import Settings
 from chatcore.server.app import create_app
+from chatcore.store.db import create_engine, create_sessionmaker, migrate
+from chatcore.store.repos import Repos
 
 log = logging.getLogger("chatcore")
 
@@ -44,11 +48,34 @@ class LogHygiene(logging.Filter):
 SECRET_QUERY = re.compile(r"((?:^|[?&])api_key=)[^&\s\"]*")
 
 
+def open_mode_exposure(settings: Settings) -> str | None:
+    """Why a server without keys (open mode) would answer other machines; None when it would not."""
+    if not _is_loopback(settings.host):
+        return f"it binds to {settings.host}"
+    outside = [h for h in settings.allowed_hosts if h == "*" or not _is_loopback(h.strip("[]"))]
+    return f"CHATCORE_ALLOWED_HOSTS names {', '.join(outside)}" if outside else None
+
+
+async def _has_keys(settings: Settings) -> bool:
+    url = settings.resolved_database_url
+    await migrate(url)
+    db = create_engine(url)
+    try:
+        async with create_sessionmaker(db)() as session:
+            return await Repos(session).keys.count_keys() > 0
+    finally:
+        await db.dispose()
+
+
 def serve_command(settings: Settings) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not _is_loopback(settings.host):
-        log.warning("binding to %s: with no API key configured (open mode) anyone who can reach this address "
-                    "can use the server; create keys with `chatcore keys create --tenant NAME`", settings.host)
+    exposure = open_mode_exposure(settings)
+    if exposure and not settings.insecure_open_mode and not asyncio.run(_has_keys(settings)):
+        print(f"chatcore serve: no API key exists (open mode: no access control) and {exposure}; create one with "
+              "`chatcore keys create --tenant NAME`, or pass --insecure-open-mode", file=sys.stderr)
+        return 2
+    if exposure:
+        log.warning("%s: without API keys (open mode) anyone who can reach this server can use it", exposure)
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             ws_max_size=settings.max_frame_bytes * 4, timeout_graceful_shutdown=10)

@@ -53,7 +53,7 @@ class Services:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         url = settings.resolved_database_url
         await migrate(url)
-        db = create_engine(url)
+        db = create_engine(url, settings.sqlite_synchronous)
         sessionmaker = create_sessionmaker(db)
         async with sessionmaker() as session, session.begin():
             local = await Repos(session).tenants.get_or_create_tenant(LOCAL_TENANT)
@@ -64,6 +64,7 @@ class Services:
         disk_bytes = disk_budget_bytes(settings.kv_disk_gb, settings.resolved_kv_disk_dir)
         if disk_bytes > 0:
             disk = DiskTier(settings.resolved_kv_disk_dir, loaded.fingerprint, disk_bytes, sessionmaker)
+            await disk.sweep()  # what a crash left behind, before the budget counts files
         tiers = kv_tiers(engine, disk_bytes)
         log.info("KV tiers: %s; %s", describe("device pool", tiers["device"]),
                  describe("disk tier", tiers["disk"]) if tiers["disk"] else "no disk tier")

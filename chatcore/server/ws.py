@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 from litestar import WebSocket, websocket
 from litestar.connection import ASGIConnection
 
-from chatcore.server.auth import Authenticator, Principal, host_allowed
+from chatcore.server.auth import Authenticator, Principal, RevocationWatch, host_allowed
 from chatcore.server.errors import ApiError, from_session_error
 from chatcore.server.params import sampling_params
 from chatcore.server.services import Services
@@ -32,6 +32,10 @@ CLOSE_CONFLICT = 4409
 MAX_ID_CHARS = 128
 MAX_TITLE_CHARS = 200
 MAX_SEQ = 2**63 - 1  # frame numbers are stored as 64-bit integers
+# Frames queued for a client that does not read: a whole 2,048-token turn fits many times over;
+# past it the socket is closed (1008) and its queue dropped, so no client can grow server memory.
+MAX_QUEUED_FRAMES = 8192
+CLOSE_WAIT_S = 10.0  # after the handler ends, how long the last frames may take to leave
 
 
 def origin_allowed(socket: ASGIConnection, allowed: list[str]) -> bool:
@@ -77,11 +81,22 @@ class Connection:
 
     # ----- output ----------------------------------------------------------------------------
     def send(self, frame: dict[str, Any]) -> None:
-        if not self.closed:
-            self.out.put_nowait(frame)
+        if self.closed:
+            return
+        if self.out.qsize() >= MAX_QUEUED_FRAMES:
+            while not self.out.empty():
+                self.out.get_nowait()
+            log.warning("a client left %d frames unread: closing its socket", MAX_QUEUED_FRAMES)
+            self.close(CLOSE_POLICY, "too many unread frames")
+            return
+        self.out.put_nowait(frame)
 
     def error(self, code: str, message: str) -> None:
         self.send({"type": "error", "code": code, "message": message})
+
+    def revoked(self) -> None:
+        self.error("unauthorized", "the API key was revoked")
+        self.close(CLOSE_POLICY, "key revoked")
 
     def close(self, code: int, reason: str = "") -> None:
         if not self.closed:
@@ -252,6 +267,8 @@ async def chat_socket(socket: WebSocket) -> None:
         return
     conn = Connection(socket, services, principal)
     sender = asyncio.create_task(conn.sender())
+    revocations: RevocationWatch = socket.app.state.revocations
+    watched = revocations.register(principal.key_id, conn.revoked) if principal.key_id else None
     try:
         while not conn.closed:
             receiver = asyncio.ensure_future(socket.receive())
@@ -266,10 +283,14 @@ async def chat_socket(socket: WebSocket) -> None:
     except Exception:
         log.exception("websocket handler failed")
     finally:
+        if watched is not None:
+            revocations.unregister(watched)
         conn.detach()
         if not conn.closed:
             conn.closed = True
             sender.cancel()
+        await asyncio.wait({sender}, timeout=CLOSE_WAIT_S)  # a client that reads nothing blocks it
+        sender.cancel()
         await asyncio.gather(sender, return_exceptions=True)
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +33,8 @@ from chatcore.kv.disk import DiskBlocks
 from chatcore.store.repos import Repos
 
 log = logging.getLogger(__name__)
+WRITER_NICE = 10
+ORPHAN_AGE_S = 600.0
 
 
 class DiskTier:
@@ -41,7 +45,11 @@ class DiskTier:
         self.budget_bytes = budget_bytes
         self.sessionmaker = sessionmaker
         self.clock = clock
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatcore-disk")
+        # Reads are on a turn's critical path; writes and deletes are not, and their hashing and
+        # copying would otherwise take CPU from the engine's step (see `_background_priority`).
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatcore-disk-read")
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatcore-disk-write",
+                                          initializer=_background_priority)
         self._known: set[bytes] = set()
         self.forecast: ReuseForecast[bytes] = ReuseForecast()
         self._block_bytes = 0  # one block file's size (all blocks of a model have one shape)
@@ -50,7 +58,8 @@ class DiskTier:
         self.missing = 0  # indexed, but deleted (by another replica's budget) before we read it
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
 
     def claim(self, session_id: str, hashes: list[bytes], *, use: bool = True) -> None:
         """The session's chain, root first: the eviction unit on disk."""
@@ -74,7 +83,7 @@ class DiskTier:
         if not blocks:
             return 0
         loop = asyncio.get_running_loop()
-        written = await loop.run_in_executor(self._executor, self._write_all, blocks)
+        written = await loop.run_in_executor(self._writer, self._write_all, blocks)
         for attempt in range(2):
             try:
                 async with self.sessionmaker() as db, db.begin():
@@ -103,23 +112,24 @@ class DiskTier:
         if not hashes:
             return []
         async with self.sessionmaker() as db:
-            indexed = await Repos(db).blocks.known([h.hex() for h in hashes])
-        run: list[bytes] = []
+            indexed = await Repos(db).blocks.checksums([h.hex() for h in hashes])
+        run: list[tuple[bytes, str]] = []
         for block_hash in hashes:
             if block_hash.hex() not in indexed:
                 break
-            run.append(block_hash)
+            run.append((block_hash, indexed[block_hash.hex()]))
         if not run:
             return []
         loop = asyncio.get_running_loop()
-        tensors, missing = await loop.run_in_executor(self._executor, self._read_run, run)
-        self._known.update(run[: len(tensors)])
+        tensors, missing = await loop.run_in_executor(self._reader, self._read_run, run)
+        run_hashes = [h for h, _ in run]
+        self._known.update(run_hashes[: len(tensors)])
         async with self.sessionmaker() as db, db.begin():
             repos = Repos(db)
-            for block_hash in run[: len(tensors)]:
+            for block_hash in run_hashes[: len(tensors)]:
                 await repos.blocks.touch_block(block_hash.hex())
             if len(tensors) < len(run):
-                bad = run[len(tensors)]
+                bad = run_hashes[len(tensors)]
                 if missing:
                     self.missing += 1  # its evictor drops the row too; dropping it twice is harmless
                 else:
@@ -128,12 +138,13 @@ class DiskTier:
                 await repos.blocks.delete_block(bad.hex())
         return tensors
 
-    def _read_run(self, run: list[bytes]) -> tuple[list[torch.Tensor], bool]:
-        """The readable leading blocks of `run`, and whether the run stopped at a missing file."""
+    def _read_run(self, run: list[tuple[bytes, str]]) -> tuple[list[torch.Tensor], bool]:
+        """The readable leading blocks of `run` (hash, indexed checksum), and whether the run
+        stopped at a missing file."""
         out: list[torch.Tensor] = []
-        for block_hash in run:
+        for block_hash, checksum in run:
             try:
-                tensor = self.files.read(block_hash, missing_ok=False)
+                tensor = self.files.read(block_hash, missing_ok=False, checksum=checksum)
             except FileNotFoundError:
                 return out, True
             if tensor is None:
@@ -153,7 +164,7 @@ class DiskTier:
                 await repos.blocks.delete_block(block_hash.hex())
         for block_hash in victims:
             self._known.discard(block_hash)
-        await asyncio.get_running_loop().run_in_executor(self._executor, self._delete_files, victims)
+        await asyncio.get_running_loop().run_in_executor(self._writer, self._delete_files, victims)
         return len(victims)
 
     async def _victims(self, repos: Repos, excess: int) -> list[bytes]:
@@ -176,6 +187,40 @@ class DiskTier:
             freed += self._block_bytes
         return victims
 
+    async def sweep(self, min_age_s: float = ORPHAN_AGE_S) -> int:
+        """Delete what a crash left: temporary files, and block files the index does not know.
+        Only files older than `min_age_s`, since a replica sharing the directory writes a file
+        before it indexes it. Returns how many files went."""
+        loop = asyncio.get_running_loop()
+        temporary, blocks = await loop.run_in_executor(self._writer, self.files.old_files, min_age_s)
+        orphans: list[bytes] = []
+        async with self.sessionmaker() as db:
+            for start in range(0, len(blocks), 500):
+                chunk = blocks[start:start + 500]
+                known = await Repos(db).blocks.known([h.hex() for h in chunk])
+                orphans += [h for h in chunk if h.hex() not in known]
+        await loop.run_in_executor(self._writer, self._delete_files, orphans)
+        await loop.run_in_executor(self._writer, _unlink_all, temporary)
+        if orphans or temporary:
+            log.info("disk tier: removed %d unindexed block files and %d temporary files", len(orphans),
+                     len(temporary))
+        return len(orphans) + len(temporary)
+
     def _delete_files(self, hashes: list[bytes]) -> None:
         for block_hash in hashes:
             self.files.delete(block_hash)
+
+
+def _background_priority() -> None:
+    """Lower the calling thread's CPU priority (Linux sets nice per thread): the write-through runs
+    beside the next turn's prefill, and on a machine with few cores it would slow every thread of
+    the step's matmuls."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
+        pass
+
+
+def _unlink_all(paths: list[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)

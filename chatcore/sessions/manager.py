@@ -21,7 +21,7 @@ from chatcore.metrics import Metrics
 from chatcore.sessions.disk_tier import DiskTier
 from chatcore.sessions.leases import LeaseKeeper
 from chatcore.sessions.pins import PinRegistry
-from chatcore.sessions.state import SessionState
+from chatcore.sessions.state import HISTORY_REASONS, SessionState
 from chatcore.sessions.template import ChatTemplate
 from chatcore.sessions.turn import TurnFrames
 from chatcore.store.repos import Repos
@@ -55,6 +55,8 @@ class Conflict(SessionError):
 
 # The routing key nginx names a new session after ($request_id: 32 hex digits); docs/deploy.md.
 SESSION_ID_HINT = re.compile(r"[0-9a-f]{32}")
+# Every id a session can have: `new_session_id` (22 url-safe characters) or a routing key.
+SESSION_ID = re.compile(r"[A-Za-z0-9_-]{22}|[0-9a-f]{32}")
 
 
 class SessionManager:
@@ -103,20 +105,25 @@ class SessionManager:
 
     async def open(self, tenant_id: str, session_id: str) -> SessionState:
         """The session, from memory or rebuilt from SQLite; `NotFound` for another tenant's."""
-        state = self.live.get(session_id)
-        if state is not None:
+        if not SESSION_ID.fullmatch(session_id):
+            raise NotFound("no such session")  # no lookup, no lease, nothing kept for a made-up id
+        while (state := self.live.get(session_id)) is not None:
             if state.tenant_id != tenant_id:
                 raise NotFound("no such session")
             async with state.lock:
+                if self.live.get(session_id) is not state:
+                    continue  # demoted (or reloaded) while we waited: never hand out a dropped state
                 await self.hold(state)
             return state
         lock = self._loading.setdefault(session_id, asyncio.Lock())
-        async with lock:
-            state = self.live.get(session_id)
-            if state is None:
-                state = await self._load(tenant_id, session_id)
-                self.live[session_id] = state
-        self._loading.pop(session_id, None)
+        try:
+            async with lock:
+                state = self.live.get(session_id)
+                if state is None:
+                    state = await self._load(tenant_id, session_id)
+                    self.live[session_id] = state
+        finally:
+            self._loading.pop(session_id, None)
         if state.tenant_id != tenant_id:
             raise NotFound("no such session")
         return state
@@ -168,13 +175,13 @@ class SessionManager:
         if row.system_prompt:
             state.messages.append({"role": "system", "content": row.system_prompt})
         state.turn_count = max((t.idx for t in turns), default=-1) + 1
-        # Only complete exchanges are part of the canonical history (an interrupted one is not).
+        # Only complete exchanges are part of the canonical history (not an interrupted or failed one).
         pending_user: dict[str, str] | None = None
         for turn in turns:
             if turn.role == "user":
                 pending_user = {"role": "user", "content": turn.content}
             elif turn.role == "assistant" and pending_user is not None:
-                if turn.finish_reason not in (None, "interrupted"):
+                if turn.finish_reason in HISTORY_REASONS:  # as in memory: no failed exchange
                     state.messages += [pending_user, {"role": "assistant", "content": turn.content}]
                 pending_user = None
         last = turns[-1] if turns else None

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 from chatcore.sessions.turn import TurnFrames
 
+# How a turn may end and still join the canonical history (in memory and when read back).
+HISTORY_REASONS = frozenset({"stop", "length", "cancelled", "disconnected"})
+
 
 @dataclass(eq=False)
 class SessionState:

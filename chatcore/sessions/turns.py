@@ -26,10 +26,10 @@ from chatcore.cache import BlockTable, chain_hashes, longest_prefix
 from chatcore.engine.core import EngineCore
 from chatcore.engine.outputs import RequestOutput
 from chatcore.engine.request import Request, SamplingParams
-from chatcore.engine.scheduler import RequestRejected
+from chatcore.engine.scheduler import QueueFull, RequestRejected
 from chatcore.sessions.leases import LeaseLost
 from chatcore.sessions.manager import Busy, TooLarge
-from chatcore.sessions.state import SessionState
+from chatcore.sessions.state import HISTORY_REASONS, SessionState
 from chatcore.sessions.turn import TurnFrames
 from chatcore.store.repos import Repos, TurnStats
 
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from chatcore.sessions.manager import SessionManager
 
 log = logging.getLogger(__name__)
-HISTORY_REASONS = {"stop", "length", "cancelled", "disconnected"}
 
 
 class TurnRunner:
@@ -117,16 +116,24 @@ class TurnRunner:
         try:
             frames.emit({"type": "start"})
             await self._attach_prefix(state, req, use_pin)
-            async with aclosing(self.engine.generate(req)) as stream:
-                async for out in stream:
-                    for delta in out.deltas:
-                        if delta.text:
-                            frames.emit({"type": "token", "index": delta.index, "text": delta.text})
-                    if out.finished:
-                        final = out
+            # A cancel (or an expired grace period) that came while the prefix was attached found
+            # no request in the engine to abort: honour it here. From here to the engine's `add`
+            # nothing awaits, so a later cancel finds the request.
+            if state.cancel_reason is None:
+                async with aclosing(self.engine.generate(req)) as stream:
+                    async for out in stream:
+                        for delta in out.deltas:
+                            if delta.text:
+                                frames.emit({"type": "token", "index": delta.index, "text": delta.text})
+                        if out.finished:
+                            final = out
+        except QueueFull:
+            error = "busy"
         except Exception as exc:  # the turn fails, the session and the server live on
             log.exception("turn failed in session %s", state.id)
             error = f"{type(exc).__name__}"
+        if req.prefix_table is not None:  # it never reached the engine, which would release it
+            await self.engine.call(lambda core: core.discard(req))
         try:
             await self._finish(state, frames, req, content, final, error, assistant_id)
         finally:
@@ -225,13 +232,19 @@ class TurnRunner:
                 error = final.error or reason
                 reason = "error"
             text, generated = best.text, best.token_ids
+        elif error is None and state.cancel_reason is not None:
+            reason, text, generated = state.cancel_reason, "", []  # cancelled before it started
         else:
             reason, text, generated = "error", "", []
+        # The history this turn makes, assigned only once the database has it.
+        history: tuple[list[int], list[dict[str, str]]] | None = None
         if reason in HISTORY_REASONS:
-            state.tokens = req.prompt + generated + self.m.template.close_answer(generated)
-            if state.system_prompt and not state.messages:
-                state.messages.append({"role": "system", "content": state.system_prompt})
-            state.messages += [{"role": "user", "content": content}, {"role": "assistant", "content": text}]
+            system = [{"role": "system", "content": state.system_prompt}] \
+                if state.system_prompt and not state.messages else []
+            history = (req.prompt + generated + self.m.template.close_answer(generated),
+                       system + state.messages + [{"role": "user", "content": content},
+                                                  {"role": "assistant", "content": text}])
+        chain = history[0] if history is not None else state.tokens
         usage = final.usage if final is not None else None
         timings = final.timings if final is not None else None
         disk_tokens = usage.cached_disk_tokens if usage else 0
@@ -246,24 +259,37 @@ class TurnRunner:
         salt = self.engine.core.salt(state.scope_key)
         bs = self.engine.core.pool.block_size
         last_seq = state.next_seq + 1  # the done frame's number
+        saved = False
         try:
             async with self.m.sessionmaker() as db, db.begin():
                 repos = Repos(db)
                 await self.m.leases.fence(repos, state.id)  # LeaseLost: another replica owns it now
                 await repos.turns.finish_turn(assistant_id, content=text, token_ids=generated,
                                               finish_reason=reason, stats=stats, alternatives=alternatives)
-                await repos.chains.save_chain(state.id, state.tokens, chain_hashes(state.tokens, bs, salt), bs,
-                                              len(state.tokens))
+                await repos.chains.save_chain(state.id, chain, chain_hashes(chain, bs, salt), bs, len(chain))
                 await repos.sessions.set_seq(state.id, last_seq)
                 await repos.sessions.touch(state.id)
+            saved = True
         except LeaseLost:
             log.error("session %s moved to another replica during a turn; the turn is not saved", state.id)
-            self.m.live.pop(state.id, None)  # stale here; `_pin` below then releases the table
+            self.m.live.pop(state.id, None)  # stale here
             error = "conflict"
+        except Exception:  # locked, disk full, a failover: memory keeps the history the database has
+            log.exception("the turn of session %s could not be saved", state.id)
+            reason, error = "error", "internal"
+        if saved and history is not None:
+            state.tokens, state.messages = history
         self.m.metrics.record_request(reason, stats.prompt_tokens, stats.cached_device_tokens,
                                       stats.cached_disk_tokens, stats.queue_ms, stats.ttft_ms,
                                       timings.inter_token_ms if timings else [])
-        await self._pin(state, req)
+        try:
+            await self._pin(state, req, keep=saved)
+        finally:
+            self._notify(frames, reason, error, stats)
+
+    @staticmethod
+    def _notify(frames: TurnFrames, reason: str, error: str | None, stats: TurnStats) -> None:
+        """The turn's last frames: `error` if it failed, then always `done`."""
         if error is not None:
             code = "busy" if "max_queue_wait_s" in (error or "") or error == "busy" else "internal"
             code = "conflict" if error == "conflict" else code
@@ -278,8 +304,9 @@ class TurnRunner:
             "timing": {"queue_ms": stats.queue_ms, "ttft_ms": stats.ttft_ms, "total_ms": stats.total_ms},
         })
 
-    async def _pin(self, state: SessionState, req: Request) -> None:
-        """The finished request's table becomes the session's pin; new full blocks go to disk."""
+    async def _pin(self, state: SessionState, req: Request, *, keep: bool) -> None:
+        """The finished request's table becomes the session's pin, and its new full blocks go to
+        disk; unless the turn is not `keep` (not saved) or the session is gone: then it is released."""
         disk = self.m.disk
 
         def pin(core: EngineCore) -> list[bytes]:
@@ -287,7 +314,7 @@ class TurnRunner:
             req.kept_table = None
             if table is None or table.released:
                 return []
-            if state.id not in self.m.live:  # deleted meanwhile
+            if not keep or state.id not in self.m.live:
                 table.release()
                 return []
             self.m.pins.pin(state.id, table)

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from sqlalchemy.engine import make_url
 
 from chatcore.config import Settings
 from chatcore.store.db import create_engine, create_sessionmaker, run_migrations
+from chatcore.store.models import ApiKey
 from chatcore.store.repos import ApiKeyRepo
+
+T = TypeVar("T")
 
 
 def masked_url(url: str) -> str:
@@ -25,11 +30,12 @@ def migrate_command(settings: Settings) -> int:
     return 0
 
 
-async def _create_key(url: str, tenant: str, admin: bool) -> str:
+async def _with_keys(url: str, use: Callable[[ApiKeyRepo], Awaitable[T]]) -> T:
+    """`use` on the key repository, in one transaction on a short-lived engine."""
     engine = create_engine(url)
     try:
         async with create_sessionmaker(engine)() as db, db.begin():
-            return await ApiKeyRepo(db).create_api_key(tenant, admin=admin)
+            return await use(ApiKeyRepo(db))
     finally:
         await engine.dispose()
 
@@ -42,8 +48,36 @@ def keys_create_command(settings: Settings, tenant: str, admin: bool) -> int:
     """
     url = settings.resolved_database_url
     run_migrations(url)
-    key = asyncio.run(_create_key(url, tenant, admin))
+    key = asyncio.run(_with_keys(url, lambda keys: keys.create_api_key(tenant, admin=admin)))
     print(key)
     kind = "admin key" if admin else "key"
     print(f"new {kind} for tenant {tenant!r}; it is shown only once, store it now", file=sys.stderr)
+    return 0
+
+
+def _key_line(key: ApiKey, tenant: str) -> str:
+    state = f"revoked {key.revoked_at:%Y-%m-%d %H:%M}" if key.revoked_at else "active"
+    return (f"{key.id}  {tenant}  {key.prefix}...  {'admin' if key.is_admin else 'user'}  "
+            f"created {key.created_at:%Y-%m-%d %H:%M}  {state}")
+
+
+def keys_list_command(settings: Settings, tenant: str | None) -> int:
+    """One line per key: id, tenant, the key's first characters, role, created, active or revoked.
+    Keys themselves are never stored, so never shown."""
+    url = settings.resolved_database_url
+    run_migrations(url)
+    for key, name in asyncio.run(_with_keys(url, lambda keys: keys.list_all(tenant))):
+        print(_key_line(key, name))
+    return 0
+
+
+def keys_revoke_command(settings: Settings, key_id: str) -> int:
+    """Revoke a key by its id (from `keys list`); its requests fail at once, and a running server
+    closes its WebSockets within a few seconds. Exit 2 when no active key has that id."""
+    url = settings.resolved_database_url
+    run_migrations(url)
+    if not asyncio.run(_with_keys(url, lambda keys: keys.revoke_api_key(key_id))):
+        print(f"chatcore keys revoke: no active key with id {key_id!r} (see `chatcore keys list`)", file=sys.stderr)
+        return 2
+    print(f"key {key_id} revoked", file=sys.stderr)
     return 0

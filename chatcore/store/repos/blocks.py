@@ -67,3 +67,10 @@ class KvBlockRepo:
             return set()
         query = select(KvBlock.hash).where(KvBlock.hash.in_(hashes))
         return set(await self.db.scalars(query))
+
+    async def checksums(self, hashes: list[str]) -> dict[str, str]:
+        """The stored payload checksum of each of `hashes` that is indexed."""
+        if not hashes:
+            return {}
+        rows = await self.db.execute(select(KvBlock.hash, KvBlock.checksum).where(KvBlock.hash.in_(hashes)))
+        return {row.hash: row.checksum for row in rows}

@@ -55,19 +55,35 @@ class ApiKeyRepo:
         await self.db.flush()
         return key
 
-    async def authenticate(self, key: str) -> tuple[Tenant, bool] | None:
-        """The key's tenant and whether the key is an admin key; None for unknown or revoked keys."""
+    async def authenticate(self, key: str) -> tuple[Tenant, bool, str] | None:
+        """The key's tenant, whether it is an admin key, and the key's id; None for unknown or
+        revoked keys."""
         key_hash = tokens.digest(key)
         row = (
             await self.db.execute(
-                select(Tenant, ApiKey.key_hash, ApiKey.is_admin)
+                select(Tenant, ApiKey.key_hash, ApiKey.is_admin, ApiKey.id)
                 .join(ApiKey, ApiKey.tenant_id == Tenant.id)
                 .where(ApiKey.key_hash == key_hash, ApiKey.revoked_at.is_(None))
             )
         ).one_or_none()
         if row is None or not tokens.matches(key, row.key_hash):
             return None
-        return row.Tenant, row.is_admin
+        return row.Tenant, row.is_admin, row.id
+
+    async def list_all(self, tenant_name: str | None = None) -> list[tuple[ApiKey, str]]:
+        """Every key (revoked ones included) with its tenant's name, oldest first."""
+        query = select(ApiKey, Tenant.name).join(Tenant, ApiKey.tenant_id == Tenant.id)
+        if tenant_name is not None:
+            query = query.where(Tenant.name == tenant_name)
+        rows = await self.db.execute(query.order_by(ApiKey.created_at, ApiKey.id))
+        return [(row.ApiKey, row.name) for row in rows]
+
+    async def revoked_among(self, key_ids: list[str]) -> set[str]:
+        """Which of `key_ids` are revoked (or gone)."""
+        if not key_ids:
+            return set()
+        live = await self.db.scalars(select(ApiKey.id).where(ApiKey.id.in_(key_ids), ApiKey.revoked_at.is_(None)))
+        return set(key_ids) - set(live)
 
     async def list_api_keys(self, tenant_id: str) -> list[ApiKey]:
         """The tenant's keys (revoked ones included), oldest first."""
