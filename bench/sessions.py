@@ -8,8 +8,10 @@ message (seeded English-like text) answered with 8 greedy tokens, EOS ignored, s
 history grows by ~100 tokens a turn. Per turn: the median and p90 of the server's TTFT
 (`done.timing.ttft_ms`) and the mean prompt, device-cached, disk-cached and recomputed tokens.
 
-Cold TTFT, on the same server after the trace: three fresh sessions whose first prompt has the
-final turn's token count (unique text: only the shared template prefix can hit); the median.
+Cold TTFT, on the same server before and after the trace: three fresh sessions each time whose
+first prompt has the final turn's token count (unique text: only the shared template prefix can
+hit). The ratios use the faster of the two medians (after a long trace the probes ran up to 1.5x
+slower, which would flatter every ratio).
 
 Runs: the given session counts (default 64 and 256, --quick 16) on the given tier sizes
 (default: the server's own), and `overflow`: 32 sessions (--quick 8) on tiny tiers, sized from
@@ -180,15 +182,19 @@ async def _cold_run(server: live.Server, texts: list[str]) -> list[dict[str, Any
 
 
 def _summary(rows: list[list[dict]], cold: list[dict[str, Any]]) -> dict[str, Any]:
+    """`cold`: the probes before the trace, then those after it. The ratios use the faster of the
+    two medians, so a server slowed by what the trace left behind never flatters them."""
     per_turn = []
     for turn, row in enumerate(rows, 1):
         ttft = [r["ttft_ms"] for r in row]
         per_turn.append({"turn": turn, "ttft_median_ms": median(ttft), "ttft_p90_ms": quantile(ttft, 0.9),
                          **{f"mean_{k}": sum(r[k] for r in row) / len(row)
                             for k in ("prompt_tokens", "cached_device_tokens", "cached_disk_tokens", "recomputed_tokens")}})
-    cold_ms = median([c["ttft_ms"] for c in cold])
+    before, after = cold[:COLD_PROBES], cold[COLD_PROBES:]
+    cold_ms = min(median([c["ttft_ms"] for c in before]), median([c["ttft_ms"] for c in after]))
     disk = [r["ttft_ms"] for r in rows[-1] if r["cached_disk_tokens"] > 0]
-    return {"per_turn": per_turn, "cold": {"ttft_ms": cold_ms, "probes": cold},
+    return {"per_turn": per_turn, "cold": {"ttft_ms": cold_ms, "before_ms": median([c["ttft_ms"] for c in before]),
+                                           "after_ms": median([c["ttft_ms"] for c in after]), "probes": cold},
             "final_over_cold": per_turn[-1]["ttft_median_ms"] / cold_ms,
             "disk_final": {"turns": len(disk), "ttft_median_ms": median(disk), "over_cold": median(disk) / cold_ms}}
 
@@ -196,16 +202,21 @@ def _summary(rows: list[list[dict]], cold: list[dict[str, Any]]) -> dict[str, An
 def run_plan(ctx: Context, plan: Plan, server: live.Server, msgs: list[list[str]], trace: list[Request],
              template: ChatTemplate, answer_tokens: int) -> dict[str, Any]:
     info = live.admin_cache(server)
+    final = round(median([len(r.prompt) for r in trace if r.turn == plan.turns - 1]))
+
+    def probes(when: str) -> list[dict[str, Any]]:
+        texts = [cold_message(template, ctx.tokenizer, final, f"Cold probe {i} {when} run {plan.name}:")
+                 for i in range(COLD_PROBES)]
+        return asyncio.run(_cold_run(server, texts))
+
+    fresh = probes("before")  # the server as it starts: no trace has touched its memory yet
     rows = asyncio.run(_trace_run(server, msgs, answer_tokens, ctx.log, plan.name))
-    length = round(median([r["prompt_tokens"] for r in rows[-1]]))
-    texts = [cold_message(template, ctx.tokenizer, length, f"Cold probe {i} after run {plan.name}:")
-             for i in range(COLD_PROBES)]
     bs = ctx.settings.block_size
     disk_tier = (info.get("tiers") or {}).get("disk")
     result = {"sessions": plan.sessions, "turns": plan.turns, "server_tiers": info.get("tiers"),
               "device_blocks": info["audit"]["total"], "disk_blocks": disk_tier["tokens"] // bs if disk_tier else 0,
               "settings": plan.tiers, **plan.sizing,
-              **_summary(rows, asyncio.run(_cold_run(server, texts)))}
+              **_summary(rows, fresh + probes("after"))}
     blocks = plan.sizing["device_blocks"] + plan.sizing["disk_blocks"] if plan.overflow else result["device_blocks"]
     result["replay"] = replay(trace, blocks, bs, depth_cost(ctx.loaded, bs))
     result["replay"]["prompt_tokens_live"] = sum(r["prompt_tokens"] for row in rows for r in row)
