@@ -7,9 +7,7 @@ clients always send one. As soon as a key exists, every protected route needs on
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,13 +15,13 @@ from typing import Any, cast
 
 from litestar.connection import ASGIConnection
 
+from chatcore.periodic import Periodic
 from chatcore.server.errors import ApiError
 from chatcore.server.services import Services
 from chatcore.store.repos import Repos
 
 OPEN_MODE_RECHECK_S = 2.0
 REVOKE_CHECK_S = 2.0
-log = logging.getLogger(__name__)
 SCOPE_KEY = "chatcore.principal"
 
 
@@ -83,7 +81,7 @@ class RevocationWatch:
         self.services = services
         self._open: dict[int, tuple[str, Callable[[], None]]] = {}
         self._next = 0
-        self._task: asyncio.Task[None] | None = None
+        self._periodic = Periodic("checking for revoked keys", REVOKE_CHECK_S, self.check)
 
     def register(self, key_id: str, close: Callable[[], None]) -> int:
         self._next += 1
@@ -94,20 +92,10 @@ class RevocationWatch:
         self._open.pop(handle, None)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="key-revocations")
+        self._periodic.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(REVOKE_CHECK_S)
-            try:
-                await self.check()
-            except Exception:
-                log.exception("checking for revoked keys failed")
+        await self._periodic.stop()
 
     async def check(self) -> int:
         """Close the sockets of revoked keys now; returns how many."""

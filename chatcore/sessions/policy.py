@@ -15,22 +15,18 @@ long histories outlive lone tails.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 
 from chatcore.engine.core import EngineCore
+from chatcore.periodic import Periodic
 from chatcore.sessions.manager import SessionManager
-
-log = logging.getLogger(__name__)
 
 
 class EvictionPolicy:
     def __init__(self, manager: SessionManager, interval_s: float = 1.0) -> None:
         self.m = manager
-        self.interval_s = interval_s
         self._last_engine_pass = 0.0
-        self._task: asyncio.Task[None] | None = None
+        self._periodic = Periodic("eviction pass", interval_s, self.demote_idle)
         manager.engine.housekeeping.append(self.engine_pass)
 
     def engine_pass(self) -> None:
@@ -53,20 +49,10 @@ class EvictionPolicy:
             pins.release(session_id)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="eviction-policy")
+        self._periodic.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                await self.demote_idle()
-            except Exception:
-                log.exception("eviction pass failed")
+        await self._periodic.stop()
 
     async def demote_idle(self, now: float | None = None) -> list[str]:
         """Send idle warm sessions cold; returns their ids."""
