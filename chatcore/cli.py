@@ -71,7 +71,7 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
     return bench_command(args, settings)
 
 
-PRIVATE_COMMANDS = {"serve", "migrate", "keys", "cluster"}
+PRIVATE_COMMANDS = {"serve", "migrate", "keys"}  # cluster: its replicas are `serve` processes
 
 
 def _gb_or_auto(value: str) -> float | str:
