@@ -9,10 +9,11 @@ import re
 import sys
 
 import uvicorn
+from sqlalchemy.exc import DBAPIError
 
 from chatcore.config import Settings
 from chatcore.server.app import create_app
-from chatcore.store.db import create_engine, create_sessionmaker, migrate
+from chatcore.store.db import create_engine, create_sessionmaker
 from chatcore.store.repos import Repos
 
 log = logging.getLogger("chatcore")
@@ -57,12 +58,13 @@ def open_mode_exposure(settings: Settings) -> str | None:
 
 
 async def _has_keys(settings: Settings) -> bool:
-    url = settings.resolved_database_url
-    await migrate(url)
-    db = create_engine(url)
+    """Whether any API key exists; a database not created or not migrated yet has none."""
+    db = create_engine(settings.resolved_database_url)
     try:
         async with create_sessionmaker(db)() as session:
             return await Repos(session).keys.count_keys() > 0
+    except DBAPIError:
+        return False
     finally:
         await db.dispose()
 

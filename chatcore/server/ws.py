@@ -33,7 +33,8 @@ MAX_ID_CHARS = 128
 MAX_TITLE_CHARS = 200
 MAX_SEQ = 2**63 - 1  # frame numbers are stored as 64-bit integers
 # Frames queued for a client that does not read: a whole 2,048-token turn fits many times over;
-# past it the socket is closed (1008) and its queue dropped, so no client can grow server memory.
+# past it the socket is closed (1008) and the queue dropped. (A flood test found the frames of a
+# client that never reads piling up in the server's transport buffer first, not in this queue.)
 MAX_QUEUED_FRAMES = 8192
 CLOSE_WAIT_S = 10.0  # after the handler ends, how long the last frames may take to leave
 
