@@ -132,8 +132,11 @@ class TurnRunner:
         except Exception as exc:  # the turn fails, the session and the server live on
             log.exception("turn failed in session %s", state.id)
             error = f"{type(exc).__name__}"
-        if req.prefix_table is not None:  # it never reached the engine, which would release it
-            await self.engine.call(lambda core: core.discard(req))
+        try:
+            if req.prefix_table is not None:  # it never reached the engine, which would release it
+                await self.engine.call(lambda core: core.discard(req))
+        except Exception:  # the engine is stopping: it releases everything itself
+            log.exception("could not release the prefix of a turn in session %s", state.id)
         try:
             await self._finish(state, frames, req, content, final, error, assistant_id)
         finally:
