@@ -7,6 +7,7 @@ from being saved)."""
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from chatcore.sessions.disk_tier import DiskTier
 from chatcore.sessions.manager import Conflict
 from chatcore.store.models import ChatSession
 from chatcore.store.repos import Repos
+from chatcore.store.types import utcnow
 from tests.test_store_support import database_url, engine, sessionmaker  # noqa: F401  (fixtures)
 
 Maker = async_sessionmaker[AsyncSession]
@@ -152,9 +154,11 @@ async def test_a_running_turn_keeps_its_lease_and_a_lost_one_is_not_saved(replic
     frames = await a.turns.start(state, "Continue the sequence forever: 1, 2, 3, 4, 5,", LONG)
     with pytest.raises(Conflict):  # a renews while the turn runs: b gives up after one lease
         await b.sessions.open(tenant, state.id)
-    # Simulate a replica stalled past its lease while another took the session.
+    # Simulate a replica stalled past its lease while another took the session. replica-c's lease
+    # stays live through the test: a lapsed one lets either sweep close the turn as "interrupted".
     async with a.sessionmaker() as db, db.begin():
-        await db.execute(update(ChatSession).where(ChatSession.id == state.id).values(owner_replica="replica-c"))
+        await db.execute(update(ChatSession).where(ChatSession.id == state.id).values(
+            owner_replica="replica-c", lease_expires_at=utcnow() + timedelta(minutes=5)))
     await a.turns.cancel(state)
     await frames.finished.wait()
     async with a.sessionmaker() as db:
