@@ -10,15 +10,21 @@ Layout under `<data dir>/cluster/`: `cluster.json`; `nginx/` (the conf rendered 
 Every replica shares the database and the disk tier (`CHATCORE_KV_DISK_DIR`, by default
 `<data dir>/kv`).
 
+A part that fails to start (PostgreSQL, a replica, nginx) raises `ClusterError` with its exit
+code and the tail of its log; `chatcore cluster up` prints that and exits 1, without a traceback.
+
 The same helpers start the throw-away PostgreSQL and nginx of the tests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
 import pwd
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -26,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -36,6 +43,27 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 NGINX_TEMPLATE = REPO_ROOT / "deploy" / "nginx.conf"
 PG_USER = "chatcore"
 PG_OS_USER = "postgres"  # PostgreSQL refuses to run as root; when we are root, it runs as this user
+LOG_TAIL_LINES = 40
+
+
+class ClusterError(RuntimeError):
+    """A part of the cluster could not be set up or started; the message says which and why."""
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return f"(no log at {path})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `path` readable by its owner only (0600), whatever the umask and its old mode."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
 
 
 def free_port() -> int:
@@ -57,6 +85,17 @@ def wait_http(url: str, timeout_s: float, alive: object = None) -> None:
         except OSError:
             time.sleep(0.2)  # polling a port that is not open yet
     raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s")
+
+
+def wait_started(what: str, url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
+    """`wait_http` for a process we started; when it exits first, or never answers, a
+    `ClusterError` with its exit code and the tail of `log`."""
+    try:
+        wait_http(url, timeout_s, alive=lambda: proc.poll() is None)
+    except (RuntimeError, TimeoutError):
+        code = proc.poll()
+        how = f"exited with code {code}" if code is not None else f"did not answer {url} within {timeout_s:.0f} s"
+        raise ClusterError(f"{what} {how}; the last {LOG_TAIL_LINES} lines of {log}:\n{log_tail(log)}") from None
 
 
 def pid_alive(pid: int) -> bool:
@@ -114,6 +153,22 @@ def _as_pg_os_user(cmd: list[str]) -> list[str]:
     return ["runuser", "-u", PG_OS_USER, "--", *cmd] if os.geteuid() == 0 else cmd
 
 
+def _give_to_pg_os_user(path: Path) -> None:
+    if os.geteuid() == 0:
+        user = pwd.getpwnam(PG_OS_USER)
+        os.chown(path, user.pw_uid, user.pw_gid)
+
+
+def _run(what: str, cmd: list[str], stdin: str | None = None,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run one of PostgreSQL's tools; its failure is a `ClusterError` with its exit code and output."""
+    result = subprocess.run(cmd, check=False, input=stdin, env=env, capture_output=True, text=True, timeout=120)
+    if result.returncode != 0:
+        output = "\n".join((result.stdout + result.stderr).splitlines()[-LOG_TAIL_LINES:])
+        raise ClusterError(f"{what} exited with code {result.returncode}:\n{output}")
+    return result
+
+
 def postgres_home(data_dir: Path) -> Path:
     """Where `cluster up --postgres` keeps its PostgreSQL cluster. As root, PostgreSQL runs as
     the `postgres` user, which cannot enter root's home: the cluster then lives in /var/tmp."""
@@ -123,10 +178,17 @@ def postgres_home(data_dir: Path) -> Path:
     return Path("/var/tmp") / f"chatcore-pg-{digest}"
 
 
+# A pg_hba.conf rule (not a comment) whose method is `trust`: what `initdb -A trust` wrote.
+TRUST_RULE = re.compile(r"^(\s*[^#\s].*\s)trust(\s*)$", re.MULTILINE)
+
+
 @dataclass
 class Postgres:
-    """A PostgreSQL cluster of our own in `root`, listening on 127.0.0.1:`port` only, with
-    trust authentication for the `chatcore` role (loopback, local use and tests)."""
+    """A PostgreSQL cluster of our own in `root`, listening on 127.0.0.1:`port` only (and on a
+    socket in `root`). The `chatcore` role signs in with scram-sha-256 on both: no connection
+    gets in without the password, which is generated at initdb and kept in `root/password`
+    (mode 0600; owned by PostgreSQL's OS user when we are root, since initdb reads it). Every
+    URL and psql call here carries it."""
 
     root: Path
     port: int
@@ -136,55 +198,98 @@ class Postgres:
     def data(self) -> Path:
         return self.root / "data"
 
+    @property
+    def password_file(self) -> Path:
+        return self.root / "password"
+
+    @property
+    def password(self) -> str:
+        try:
+            return self.password_file.read_text().strip()
+        except FileNotFoundError:
+            raise ClusterError(f"the PostgreSQL cluster in {self.root} has lost its password file "
+                               f"{self.password_file}") from None
+
     def url(self, database: str = "chatcore") -> str:
-        return f"postgresql+asyncpg://{PG_USER}@127.0.0.1:{self.port}/{database}"
+        password = urllib.parse.quote(self.password, safe="")
+        return f"postgresql+asyncpg://{PG_USER}:{password}@127.0.0.1:{self.port}/{database}"
 
     @classmethod
     def create(cls, root: Path, port: int | None = None, *, throwaway: bool = False) -> Postgres:
-        """initdb (if `root` holds no cluster yet) and start; `throwaway` turns durability off."""
+        """initdb (if `root` holds no cluster yet) and start; `throwaway` turns durability off.
+        A cluster an older chatcore made with trust authentication is moved to the password."""
         bin_dir = pg_bin_dir()
         if bin_dir is None:
-            raise RuntimeError("PostgreSQL is not installed: apt-get install postgresql (or `make services`)")
+            raise ClusterError("PostgreSQL is not installed: apt-get install postgresql (or `make services`)")
         pg = cls(root, port or free_port(), bin_dir)
         root.mkdir(parents=True, exist_ok=True)
-        if os.geteuid() == 0:
-            user = pwd.getpwnam(PG_OS_USER)
-            os.chown(root, user.pw_uid, user.pw_gid)
+        _give_to_pg_os_user(root)
         if not (pg.data / "PG_VERSION").exists():
-            cmd = [str(bin_dir / "initdb"), "-D", str(pg.data), "-U", PG_USER, "-A", "trust", "-E", "UTF8",
-                   "--locale=C", "--no-instructions"] + (["--no-sync"] if throwaway else [])
-            subprocess.run(_as_pg_os_user(cmd), check=True, capture_output=True, timeout=120)
+            pg.initdb(throwaway=throwaway)
         pg.start(throwaway=throwaway)
         try:
+            if pg.trusts():
+                pg.require_password()
             pg.create_database("chatcore")
         except BaseException:
             pg.stop()
             raise
         return pg
 
+    def initdb(self, *, throwaway: bool) -> None:
+        self._write_password_file()
+        cmd = [str(self.bin_dir / "initdb"), "-D", str(self.data), "-U", PG_USER, "-A", "scram-sha-256",
+               f"--pwfile={self.password_file}", "-E", "UTF8", "--locale=C", "--no-instructions"]
+        _run("initdb", _as_pg_os_user(cmd + (["--no-sync"] if throwaway else [])))
+
+    def _write_password_file(self) -> None:
+        """A new password, or the one an interrupted initdb or `require_password` already chose."""
+        old = self.password_file.read_text().strip() if self.password_file.exists() else ""
+        write_private(self.password_file, (old or secrets.token_urlsafe(32)) + "\n")
+        _give_to_pg_os_user(self.password_file)
+
+    def trusts(self) -> bool:
+        """Whether pg_hba.conf lets connections in without a password."""
+        return TRUST_RULE.search((self.data / "pg_hba.conf").read_text()) is not None
+
+    def require_password(self) -> None:
+        """Move a running cluster initdb'ed with `-A trust` to scram-sha-256: set the role's
+        password (over trust, one last time), then rewrite pg_hba.conf and reload. Each step can
+        be repeated, so a run interrupted between them is finished by the next."""
+        self._write_password_file()
+        quoted = self.password.replace("'", "''")
+        self._psql("postgres", f"ALTER ROLE {PG_USER} PASSWORD '{quoted}'")
+        hba = self.data / "pg_hba.conf"
+        hba.write_text(TRUST_RULE.sub(r"\1scram-sha-256\2", hba.read_text()))
+        self._psql("postgres", "SELECT pg_reload_conf()")
+
     def start(self, *, throwaway: bool = False) -> None:
         options = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c max_connections=200"
         if throwaway:
             options += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
-        cmd = [str(self.bin_dir / "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "postgres.log"),
-               "-o", options, "-w", "-t", "60", "start"]
+        log = self.root / "postgres.log"
+        cmd = [str(self.bin_dir / "pg_ctl"), "-D", str(self.data), "-l", str(log), "-o", options, "-w", "-t", "60",
+               "start"]
         result = subprocess.run(_as_pg_os_user(cmd), capture_output=True, text=True, timeout=90)
         if result.returncode != 0:
-            log = (self.root / "postgres.log").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"PostgreSQL did not start: {result.stderr}\n{log}")
+            raise ClusterError(f"PostgreSQL (pg_ctl start) exited with code {result.returncode}: "
+                               f"{result.stderr.strip()}; the last {LOG_TAIL_LINES} lines of {log}:\n{log_tail(log)}")
 
     def stop(self) -> None:
         cmd = [str(self.bin_dir / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "-t", "60", "stop"]
         subprocess.run(_as_pg_os_user(cmd), capture_output=True, timeout=90)
 
+    def _psql(self, database: str, sql: str) -> str:
+        """`sql` as the `chatcore` role over TCP; on stdin, and the password in the environment,
+        so that neither shows on a command line."""
+        cmd = [str(self.bin_dir / "psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", PG_USER, "-d", database,
+               "-w", "-tA", "-v", "ON_ERROR_STOP=1"]
+        return _run("psql", cmd, sql, env={**os.environ, "PGPASSWORD": self.password}).stdout.strip()
+
     def create_database(self, name: str) -> str:
         """Create database `name` if missing; returns its URL."""
-        psql = [str(self.bin_dir / "psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", PG_USER, "-d",
-                "postgres", "-tAc"]
-        exists = subprocess.run([*psql, f"SELECT 1 FROM pg_database WHERE datname = '{name}'"],
-                                capture_output=True, text=True, check=True, timeout=30)
-        if exists.stdout.strip() != "1":
-            subprocess.run([*psql, f'CREATE DATABASE "{name}"'], capture_output=True, check=True, timeout=30)
+        if self._psql("postgres", f"SELECT 1 FROM pg_database WHERE datname = '{name}'") != "1":
+            self._psql("postgres", f'CREATE DATABASE "{name}"')
         return self.url(name)
 
 
@@ -215,18 +320,23 @@ def start_nginx(prefix: Path, port: int, upstreams: list[str]) -> subprocess.Pop
     """nginx in the foreground of its own process group, on 127.0.0.1:`port`; returns once it listens."""
     binary = nginx_binary()
     if binary is None:
-        raise RuntimeError("nginx is not installed: apt-get install nginx (or `make services`)")
+        raise ClusterError("nginx is not installed: apt-get install nginx (or `make services`)")
     (prefix / "tmp").mkdir(parents=True, exist_ok=True)
     conf = prefix / "nginx.conf"
     conf.write_text(render_nginx_conf(prefix, f"127.0.0.1:{port}", upstreams))
     base = [binary, "-p", str(prefix), "-e", str(prefix / "error.log"), "-c", str(conf)]
     check = subprocess.run([*base, "-t"], capture_output=True, text=True, timeout=30)
     if check.returncode != 0:
-        raise RuntimeError(f"nginx rejected {conf}:\n{check.stderr}")
+        raise ClusterError(f"nginx rejected {conf}:\n{check.stderr}")
     with (prefix / "stderr.log").open("ab") as log:
         proc = subprocess.Popen([*base, "-g", "daemon off;"], stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    wait_http(f"http://127.0.0.1:{port}/healthz", 60, alive=lambda: proc.poll() is None)
+    try:
+        wait_started("nginx", f"http://127.0.0.1:{port}/healthz", proc, prefix / "error.log", 60)
+    except ClusterError:
+        proc.kill()
+        proc.wait()
+        raise
     return proc
 
 
@@ -285,15 +395,45 @@ def state_path(data_dir: Path) -> Path:
     return data_dir / "cluster" / "cluster.json"
 
 
+def prepare_shared_state(settings: Settings, database_url: str) -> None:
+    """Once, before any replica starts, what each replica would otherwise do at the same moment
+    at its own start: migrate the database, create the local tenant, and convert the default
+    model if needed. `get_or_create_tenant` reads, then inserts: two replicas starting together on
+    a fresh database both inserted `local`, and the second exited on the unique name (the
+    `cluster up` that failed once and passed on a rerun). Two replicas converting the model into
+    one cache directory would likewise rename their folders onto each other."""
+    from chatcore.models.loader import resolve_model_path
+    from chatcore.store.db import run_migrations
+
+    run_migrations(database_url)
+    asyncio.run(_create_local_tenant(database_url))
+    try:
+        resolve_model_path(settings)
+    except FileNotFoundError as exc:
+        raise ClusterError(str(exc)) from None
+
+
+async def _create_local_tenant(database_url: str) -> None:
+    from chatcore.server.services import LOCAL_TENANT
+    from chatcore.store.db import create_engine, create_sessionmaker
+    from chatcore.store.repos import Repos
+
+    db = create_engine(database_url)
+    try:
+        async with create_sessionmaker(db)() as session, session.begin():
+            await Repos(session).tenants.get_or_create_tenant(LOCAL_TENANT)
+    finally:
+        await db.dispose()
+
+
 def cluster_up(settings: Settings, replicas: int, *, port: int, postgres: bool = False,
                replica_ports: list[int] | None = None, env: dict[str, str] | None = None,
                startup_timeout_s: float = 300.0, throwaway_postgres_dir: Path | None = None) -> ClusterState:
-    """Start PostgreSQL (if asked), `replicas` replicas and nginx; write and return the state."""
-    from chatcore.store.db import run_migrations
-
+    """Start PostgreSQL (if asked), `replicas` replicas and nginx; write and return the state.
+    The replicas get the cluster's cache directory, where the model was prepared, and `env`."""
     base = settings.data_dir / "cluster"
     if state_path(settings.data_dir).exists():
-        raise RuntimeError(f"a cluster is already recorded in {state_path(settings.data_dir)}; run `cluster down`")
+        raise ClusterError(f"a cluster is already recorded in {state_path(settings.data_dir)}; run `cluster down`")
     base.mkdir(parents=True, exist_ok=True)
     pg: Postgres | None = None
     if postgres:
@@ -307,23 +447,24 @@ def cluster_up(settings: Settings, replicas: int, *, port: int, postgres: bool =
     procs: dict[int, subprocess.Popen[bytes]] = {}
     kv_dir = settings.resolved_kv_disk_dir
     nginx: subprocess.Popen[bytes] | None = None
+    replica_env = {"CHATCORE_CACHE_DIR": str(settings.cache_dir), **(env or {})}
     try:
-        run_migrations(database_url)  # once, before the replicas (their own migrate is then a no-op)
+        prepare_shared_state(settings, database_url)
         for i in range(replicas):
             replica, proc = start_replica(f"replica-{i + 1}", ports[i], base / f"replica-{i + 1}", database_url,
-                                          kv_dir, env)
+                                          kv_dir, replica_env)
             started.append(replica)
             procs[replica.pid] = proc
         for replica in started:
-            proc = procs[replica.pid]
-            wait_http(replica.url + "/healthz", startup_timeout_s, alive=lambda p=proc: p.poll() is None)
+            wait_started(replica.id, replica.url + "/healthz", procs[replica.pid], Path(replica.log),
+                         startup_timeout_s)
         nginx = start_nginx(base / "nginx", port, [f"127.0.0.1:{r.port}" for r in started])
         procs[nginx.pid] = nginx
         state = ClusterState(f"http://127.0.0.1:{port}", database_url, str(kv_dir), started, nginx.pid,
                              str(base / "nginx"),
                              {"root": str(pg.root), "port": pg.port, "bin_dir": str(pg.bin_dir)} if pg else None,
                              procs)
-        state_path(settings.data_dir).write_text(state.to_json())
+        write_private(state_path(settings.data_dir), state.to_json())  # its database URL has the password
     except BaseException:
         if nginx is not None:
             stop_pid(nginx.pid, signal.SIGTERM, timeout_s=10, expect="nginx")
@@ -353,15 +494,22 @@ def cluster_down(settings: Settings) -> ClusterState | None:
 
 
 def cluster_command(args: object, settings: Settings) -> int:
+    from chatcore.store.commands import masked_url
+
     action = getattr(args, "cluster_command")
     if action == "down":
         state = cluster_down(settings)
         print("no cluster recorded" if state is None else f"stopped nginx, {len(state.replicas)} replicas"
               + (" and PostgreSQL" if state.postgres else ""))
         return 0
-    state = cluster_up(settings, getattr(args, "replicas"), port=settings.port, postgres=getattr(args, "postgres"))
+    try:
+        state = cluster_up(settings, getattr(args, "replicas"), port=settings.port,
+                           postgres=getattr(args, "postgres"))
+    except ClusterError as exc:
+        print(f"chatcore cluster up: {exc}", file=sys.stderr)
+        return 1
     for replica in state.replicas:
         print(f"{replica.id}: {replica.url} (pid {replica.pid}, log {replica.log})")
-    print(f"database: {state.database_url}\ndisk tier: {state.kv_disk_dir}")
+    print(f"database: {masked_url(state.database_url)}\ndisk tier: {state.kv_disk_dir}")
     print(f"chatcore cluster listening on {state.url}")
     return 0

@@ -2,7 +2,8 @@
 
 It runs Debian's binaries (`chatcore.cluster.pg_bin_dir`: PATH, else /usr/lib/postgresql/<v>/bin)
 in a temporary directory, on a free loopback port, with durability off, and is stopped and
-removed when pytest exits. Each caller gets its own fresh database.
+removed when pytest exits. Each caller gets its own fresh database, whose URL carries the
+cluster's generated password (`Postgres.url`).
 """
 
 from __future__ import annotations

@@ -6,6 +6,11 @@ What is checked: new sessions spread over the replicas and then stick to the one
 of its replica; a replica never serves a session another replica owns (`conflict`); and when a
 replica is SIGKILLed, its sessions resume on the others with every completed turn, the turn in
 flight ending `disconnected`, and their history's KV read from the shared disk tier.
+
+And how it starts: its PostgreSQL lets no connection in without the generated password (a cluster
+an older chatcore made with trust authentication is moved to it); the database and the local
+tenant are ready before any replica starts; a part that fails to start is reported with its exit
+code and the tail of its log, on the command line without a traceback.
 """
 
 from __future__ import annotations
@@ -13,34 +18,53 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
+import socket
+import stat
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import websockets
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
-from chatcore.cluster import ClusterState, cluster_down, cluster_up, free_port, nginx_binary, pg_bin_dir
+import chatcore.cluster
+from chatcore.cluster import (
+    LOG_TAIL_LINES,
+    ClusterError,
+    ClusterState,
+    Postgres,
+    Replica,
+    cluster_down,
+    cluster_up,
+    free_port,
+    nginx_binary,
+    pg_bin_dir,
+    start_nginx,
+    state_path,
+)
 from chatcore.config import Settings
+from chatcore.server.services import LOCAL_TENANT
 from chatcore.store.db import create_sessionmaker
-from chatcore.store.models import ChatSession, KvBlock, SessionChain
+from chatcore.store.models import ChatSession, KvBlock, SessionChain, Tenant
 from chatcore.store.packing import unpack_hashes, unpack_ids
+from tests.pg_helpers import fresh_database_url
 from tests.server_helpers import recv_until
 
-pytestmark = [
-    pytest.mark.model,
-    pytest.mark.skipif(pg_bin_dir() is None or nginx_binary() is None,
-                       reason="needs PostgreSQL and nginx (make services)"),
-]
+pytestmark = pytest.mark.skipif(pg_bin_dir() is None or nginx_binary() is None,
+                                reason="needs PostgreSQL and nginx (make services)")
 LEASE_S = 3.0
 SHORT = {"temperature": 0, "max_tokens": 12}
 LONG = {"temperature": 0, "max_tokens": 2000}
@@ -152,6 +176,7 @@ async def _until(condition: Any, timeout_s: float, what: str) -> None:
 
 
 # ----- the tests -------------------------------------------------------------------------------
+@pytest.mark.model
 def test_new_sessions_spread_then_stick(cluster: Cluster) -> None:
     """POST /v1/sessions has no session yet: nginx spreads them. Every later request naming the
     session, in the path, in X-Session-Id or in ?session_id=, reaches the replica that made it."""
@@ -181,6 +206,7 @@ def test_new_sessions_spread_then_stick(cluster: Cluster) -> None:
         assert status == 204 and cluster.served_by(upstream) == replica
 
 
+@pytest.mark.model
 async def test_affinity_prefix_hits_and_single_owner(cluster: Cluster) -> None:
     """A WebSocket session keeps reaching its replica across reconnects, its second turn reuses
     the first's KV there, and another replica asked directly refuses it with `conflict`."""
@@ -227,6 +253,7 @@ async def test_affinity_prefix_hits_and_single_owner(cluster: Cluster) -> None:
         assert done["finish_reason"] == "cancelled"  # it ran all along
 
 
+@pytest.mark.model
 async def test_failover_resumes_from_the_shared_disk_tier(cluster: Cluster) -> None:
     """SIGKILL the replica owning the most sessions: each of its sessions resumes on another
     replica with every completed turn, the interrupted one ends `disconnected`, and the history's
@@ -308,3 +335,157 @@ async def test_failover_resumes_from_the_shared_disk_tier(cluster: Cluster) -> N
         assert await cluster.owner(sid) == s["replica"]
     print(f"failover: {len(moved)} session(s) moved off {victim}, 0 completed turns lost, "
           f"{len(stayed)} stayed put")
+
+
+# ----- starting, and failing to start ------------------------------------------------------------
+@pytest.fixture
+def pg_root() -> Iterator[Path]:
+    root = Path(tempfile.mkdtemp(prefix="chatcore-pg-"))  # PostgreSQL's user must be able to enter it
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _psql_without_password(pg: Postgres, host: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}  # no PGPASSWORD, no PGPASSFILE
+    cmd = [str(pg.bin_dir / "psql"), "-h", host, "-p", str(pg.port), "-U", "chatcore", "-d", "chatcore", "-w",
+           "-tAc", "SELECT 1"]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=30, check=False)
+
+
+async def _select_one(url: str) -> int:
+    db = create_async_engine(url, poolclass=NullPool)
+    try:
+        async with db.connect() as conn:
+            return (await conn.execute(text("SELECT 1"))).scalar_one()
+    finally:
+        await db.dispose()
+
+
+def _assert_only_the_password_gets_in(pg: Postgres) -> None:
+    assert stat.S_IMODE(pg.password_file.stat().st_mode) == 0o600
+    for host in ("127.0.0.1", str(pg.root)):  # TCP, and the Unix socket in the cluster's root
+        refused = _psql_without_password(pg, host)
+        assert refused.returncode != 0 and "password" in refused.stderr, (host, refused)
+    assert asyncio.run(_select_one(pg.url())) == 1
+
+
+def test_its_postgres_lets_no_one_in_without_the_password(pg_root: Path) -> None:
+    pg = Postgres.create(pg_root, throwaway=True)
+    try:
+        _assert_only_the_password_gets_in(pg)
+        assert len(pg.password) >= 32
+    finally:
+        pg.stop()
+
+
+def test_a_trust_cluster_of_an_older_chatcore_is_moved_to_a_password(pg_root: Path) -> None:
+    """initdb -A trust, as `cluster up` did before; the password file of an interrupted earlier
+    move (left world-readable, and with characters that SQL and a URL must escape) is kept."""
+    bin_dir = pg_bin_dir()
+    assert bin_dir is not None
+    chatcore.cluster._give_to_pg_os_user(pg_root)
+    initdb = [str(bin_dir / "initdb"), "-D", str(pg_root / "data"), "-U", "chatcore", "-A", "trust", "--no-sync"]
+    subprocess.run(chatcore.cluster._as_pg_os_user(initdb), capture_output=True, check=True, timeout=120)
+    assert Postgres(pg_root, 0, bin_dir).trusts()
+    (pg_root / "password").write_text("p@ss:w/rd%'?#\n")
+    os.chmod(pg_root / "password", 0o644)
+    pg = Postgres.create(pg_root, throwaway=True)
+    try:
+        assert not pg.trusts() and pg.password == "p@ss:w/rd%'?#"
+        _assert_only_the_password_gets_in(pg)
+    finally:
+        pg.stop()
+
+
+@pytest.mark.model
+def test_the_database_and_local_tenant_are_ready_before_any_replica_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest,
+        default_model_dir: Path) -> None:
+    """Two replicas starting at once on a fresh database both created the `local` tenant, and one
+    exited on its unique name: `cluster up` failed once in six on a fresh database."""
+    url = fresh_database_url(request.config, "cluster_up")
+    seen: list[list[str]] = []
+
+    async def tenants(database_url: str) -> list[str]:
+        db = create_async_engine(database_url, poolclass=NullPool)
+        try:
+            async with create_sessionmaker(db)() as session:
+                return list(await session.scalars(select(Tenant.name)))
+        finally:
+            await db.dispose()
+
+    def start_replica(replica_id: str, port: int, data_dir: Path, database_url: str, *_: object) -> Replica:
+        seen.append(asyncio.run(tenants(database_url)))
+        raise ClusterError("stopped before starting a replica")
+
+    monkeypatch.setattr(chatcore.cluster, "start_replica", start_replica)
+    with pytest.raises(ClusterError, match="stopped before"):
+        cluster_up(Settings(data_dir=tmp_path / "data", database_url=url), 2, port=free_port())
+    assert seen == [[LOCAL_TENANT]]
+
+
+@pytest.mark.model
+def test_a_replica_that_exits_at_start_is_reported_with_its_exit_code_and_log(
+        tmp_path: Path, default_model_dir: Path) -> None:
+    settings = Settings(data_dir=tmp_path / "data")
+    with pytest.raises(ClusterError) as failed:
+        cluster_up(settings, 2, port=free_port(), replica_ports=[free_port(), free_port()],
+                   env={"CHATCORE_BLOCK_SIZE": "banana"}, startup_timeout_s=120)
+    message = str(failed.value)
+    log = settings.data_dir / "cluster" / "replica-1" / "serve.log"
+    assert message.startswith(f"replica-1 exited with code 2; the last {LOG_TAIL_LINES} lines of {log}:"), message
+    tail = log.read_text().splitlines()[-LOG_TAIL_LINES:]
+    assert message.endswith("\n".join(tail)) and "banana" in message, message
+    assert not state_path(settings.data_dir).exists()
+
+
+def _port_with_a_busy_next_one() -> tuple[int, socket.socket]:
+    """A free port P whose P + 1 (the first replica's) we hold, listening."""
+    while True:
+        port = free_port()
+        blocker = socket.socket()
+        try:
+            blocker.bind(("127.0.0.1", port + 1))
+        except OSError:
+            blocker.close()
+            continue
+        blocker.listen()
+        return port, blocker
+
+
+@pytest.mark.model
+def test_cluster_up_says_why_a_replica_died_without_a_traceback(tmp_path: Path, default_model_dir: Path) -> None:
+    """The command line, with the first replica's port taken: one message, exit 1."""
+    port, blocker = _port_with_a_busy_next_one()
+    env = {**os.environ, "CHATCORE_DATA_DIR": str(tmp_path / "data"), "CHATCORE_KV_CACHE_GB": "0.1",
+           "CHATCORE_KV_DISK_GB": "0", "CHATCORE_THREADS": "1"}
+    with blocker:
+        result = subprocess.run([sys.executable, "-m", "chatcore.cli", "cluster", "up", "--replicas", "1", "--port",
+                                 str(port)], env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 1, result
+    assert "Traceback" not in result.stderr, result.stderr
+    assert re.match(r"chatcore cluster up: replica-1 exited with code [1-9]\d*; the last 40 lines of ",
+                    result.stderr), result.stderr
+    assert "address already in use" in result.stderr.lower(), result.stderr
+
+
+def test_nginx_that_cannot_listen_is_reported_with_its_exit_code_and_log(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(ClusterError) as failed:
+            start_nginx(tmp_path / "nginx", taken.getsockname()[1], ["127.0.0.1:9"])
+    message = str(failed.value)
+    assert message.startswith(f"nginx exited with code 1; the last {LOG_TAIL_LINES} lines of "), message
+    assert "Address already in use" in message
+
+
+def test_postgres_that_cannot_listen_is_reported_with_its_exit_code_and_log(pg_root: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(ClusterError) as failed:
+            Postgres.create(pg_root, taken.getsockname()[1], throwaway=True)
+    message = str(failed.value)
+    assert message.startswith("PostgreSQL (pg_ctl start) exited with code 1"), message
+    assert "could not bind" in message and f"lines of {pg_root / 'postgres.log'}" in message, message
