@@ -150,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--eviction-policy", dest="eviction_policy", default=None, choices=["session", "cost", "lru"])
     serve.add_argument("--insecure-open-mode", dest="insecure_open_mode", action="store_true", default=None,
                        help="serve without API keys off loopback: anyone who reaches it can use it")
+    serve.add_argument("--metrics-auth", dest="metrics_auth", default=None, choices=["key", "open"],
+                       help="key: /metrics needs an API key in keyed mode (the default); open: anyone may scrape it")
     _add_engine_flags(serve)
     serve.set_defaults(handler=_serve)
 

@@ -81,6 +81,9 @@ class Settings(BaseSettings):
     allowed_hosts: list[str] = Field(default_factory=list, description="Host names open mode answers besides loopback")
     insecure_open_mode: bool = Field(
         False, description="serve without API keys even off loopback (a bind address or ALLOWED_HOSTS): no access control")
+    metrics_auth: Literal["key", "open"] = Field(
+        "key", description="key: in keyed mode /metrics needs an API key, as every other route (a scraper's "
+        "Bearer key); open: /metrics answers anyone. Open mode has no keys, so /metrics is open there either way")
 
     @model_validator(mode="after")
     def _expand(self) -> "Settings":

@@ -2,6 +2,9 @@
 
 Prefix-cache counters count tokens, never requests: each request adds its prompt tokens
 to the queries, and the prompt tokens served from each tier to the hits.
+
+The gauges that cost work to read (KV blocks by state, sessions by state) are set in the
+background (`chatcore.server.ops_routes.GaugeRefresher`), never by a scrape.
 """
 
 from __future__ import annotations
@@ -34,6 +37,26 @@ class Metrics:
         for tier in ("device", "disk"):
             self.prefix_queries.labels(tier)
             self.prefix_hits.labels(tier)
+        self._counted: dict[Counter, float] = {}
+
+    def catch_up(self, counter: Counter, total: float) -> None:
+        """Add to `counter` what a running `total` kept elsewhere (the scheduler's preemptions, the disk
+        tier's rejections) gained since the last call."""
+        seen = self._counted.get(counter, 0.0)
+        if total > seen:
+            counter.inc(total - seen)
+            self._counted[counter] = total
+
+    def set_kv_blocks(self, free: int, cached: int, used: int) -> None:
+        self.kv_blocks.labels("free").set(free)
+        self.kv_blocks.labels("cached").set(cached)
+        self.kv_blocks.labels("used").set(used)
+
+    def set_sessions(self, hot: int, warm: int, total: int) -> None:
+        """`total`: every session in the database; those not live in this process are cold."""
+        self.sessions.labels("hot").set(hot)
+        self.sessions.labels("warm").set(warm)
+        self.sessions.labels("cold").set(max(0, total - hot - warm))
 
     def record_request(self, finish_reason: str, prompt_tokens: int, device_hits: int, disk_hits: int,
                        queue_ms: float | None, ttft_ms: float | None, inter_token_ms: list[float]) -> None:

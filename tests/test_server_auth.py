@@ -128,8 +128,9 @@ def test_every_protected_route_needs_a_valid_key(keyed) -> None:
     # The query parameter is accepted over HTTP too, and the open routes stay open.
     resp = call(keyed, "GET", f"/v1/sessions/{sid}?api_key={keyed.keys['alpha']}")
     assert resp.status_code == 200 and resp.json()["id"] == sid
-    for path in ("/healthz", "/metrics", "/"):
+    for path in ("/healthz", "/"):
         assert call(keyed, "GET", path).status_code == 200, path
+    assert_error(call(keyed, "GET", "/metrics"), 401, "unauthorized")  # metrics_auth=key, the default
     schema = call(keyed, "GET", "/schema/openapi.json", headers=bearer(keyed.keys["beta"]))
     assert schema.status_code == 200 and "/v1/chat/completions" in schema.json()["paths"]
     assert call(keyed, "DELETE", f"/v1/sessions/{sid}", headers=bearer(keyed.keys["alpha"])).status_code == 204

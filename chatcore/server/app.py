@@ -69,12 +69,15 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> Litesta
         services = await Services.start(settings, loaded)
         app.state.services = services
         app.state.auth = Authenticator(services)
+        app.state.gauges = ops_routes.GaugeRefresher(services)
+        await app.state.gauges.start()
         app.state.revocations = RevocationWatch(services)
         app.state.revocations.start()
         try:
             yield
         finally:
             await app.state.revocations.stop()
+            await app.state.gauges.stop()
             await services.stop()
 
     return Litestar(

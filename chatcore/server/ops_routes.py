@@ -5,15 +5,20 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import Request, Response, get
+from litestar.connection import ASGIConnection
+from litestar.handlers import BaseRouteHandler
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from sqlalchemy import func, select
 
 from chatcore.cache import audit
 from chatcore.engine.core import EngineCore
+from chatcore.periodic import Periodic
 from chatcore.server.errors import ApiError
 from chatcore.server.services import Services
 from chatcore.store.models import ChatSession
+
+GAUGE_REFRESH_S = 5.0
 
 
 @get("/healthz")
@@ -21,31 +26,47 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@get("/metrics", media_type=CONTENT_TYPE_LATEST)
+async def metrics_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    """`metrics_auth=key`: the caller's key, as on the other keyed routes (open mode has none to ask for)."""
+    if connection.app.state.services.settings.metrics_auth == "key":
+        await connection.app.state.auth.principal(connection)
+
+
+@get("/metrics", media_type=CONTENT_TYPE_LATEST, guards=[metrics_guard])
 async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
+    """O(1): the counters catch up with two running totals; the gauges are `GaugeRefresher`'s."""
     services: Services = request.app.state.services
     m = services.metrics
-    stats = services.engine.core.pool.stats()
-    m.kv_blocks.labels("free").set(stats.free)
-    m.kv_blocks.labels("cached").set(stats.cached)
-    m.kv_blocks.labels("used").set(stats.used)
-    counts = services.sessions.counts()
-    async with services.sessionmaker() as db:
-        total = await db.scalar(select(func.count()).select_from(ChatSession)) or 0
-    m.sessions.labels("hot").set(counts["hot"])
-    m.sessions.labels("warm").set(counts["warm"])
-    m.sessions.labels("cold").set(max(0, total - counts["hot"] - counts["warm"]))
-    seen = services.extra.get("preemptions_seen", 0)
-    now = services.engine.core.scheduler.preemptions
-    if now > seen:
-        m.preemptions.inc(now - seen)
-        services.extra["preemptions_seen"] = now
-    rejected = services.disk.rejected if services.disk is not None else 0
-    seen = services.extra.get("disk_rejected_seen", 0)
-    if rejected > seen:  # corrupt, truncated or foreign block files the disk tier refused to use
-        m.disk_blocks_rejected.inc(rejected - seen)
-        services.extra["disk_rejected_seen"] = rejected
+    m.catch_up(m.preemptions, services.engine.core.scheduler.preemptions)
+    # Corrupt, truncated or foreign block files the disk tier refused to use.
+    m.catch_up(m.disk_blocks_rejected, services.disk.rejected if services.disk is not None else 0)
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class GaugeRefresher:
+    """Sets the gauges that cost work to read, every `GAUGE_REFRESH_S`: KV blocks by state (read on the
+    engine thread, where the pool lives) and sessions by state (the cold ones need a count of every
+    session row). A scrape then never touches the database or walks the pool."""
+
+    def __init__(self, services: Services) -> None:
+        self.services = services
+        self._periodic = Periodic("refreshing the metrics gauges", GAUGE_REFRESH_S, self.refresh)
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._periodic.start()
+
+    async def stop(self) -> None:
+        await self._periodic.stop()
+
+    async def refresh(self) -> None:
+        services = self.services
+        stats = await services.engine.call(lambda core: core.pool.stats())
+        services.metrics.set_kv_blocks(stats.free, stats.cached, stats.used)
+        async with services.sessionmaker() as db:
+            total = await db.scalar(select(func.count()).select_from(ChatSession)) or 0
+        counts = services.sessions.counts()
+        services.metrics.set_sessions(counts["hot"], counts["warm"], total)
 
 
 def block_map(core: EngineCore, request_sessions: dict[str, str]) -> dict[str, Any]:
