@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 
 import pytest
 import websockets
@@ -147,6 +148,25 @@ async def test_wrong_resume_token_is_unauthorized(live_server) -> None:
         assert frame["code"] == "unauthorized"
         with pytest.raises(websockets.ConnectionClosed):
             await ws.recv()
+
+
+async def test_a_wrong_resume_token_takes_no_lease_and_writes_nothing(live_server) -> None:
+    async with live_server.connect() as ws:
+        session = await hello(ws)
+    database = sqlite3.connect(live_server.data_dir / "chatcore.db")
+    try:  # as when the session went cold here: nobody owns it
+        with database:
+            database.execute("UPDATE sessions SET owner_replica = NULL, lease_expires_at = NULL WHERE id = ?",
+                             (session["session_id"],))
+        before = database.execute("SELECT * FROM sessions WHERE id = ?", (session["session_id"],)).fetchall()
+        async with live_server.connect() as ws:
+            await ws.send(json.dumps({"type": "hello", "session_id": session["session_id"], "resume_token": "guess"}))
+            assert json.loads(await ws.recv())["code"] == "unauthorized"
+            with pytest.raises(websockets.ConnectionClosed):
+                await ws.recv()
+        assert database.execute("SELECT * FROM sessions WHERE id = ?", (session["session_id"],)).fetchall() == before
+    finally:
+        database.close()
 
 
 async def test_metrics_move_after_a_turn(live_server) -> None:

@@ -202,12 +202,10 @@ class Connection:
             state, token = await manager.create(self.principal.tenant_id, system_prompt=system_prompt, title=title,
                                                 id_hint=self.socket.headers.get("x-chatcore-new-session"))
         else:
-            state = await manager.open(self.principal.tenant_id, session_id)
-            if not await manager.verify_resume_token(self.principal.tenant_id, session_id, token):
-                self.error("unauthorized", "wrong resume token for this session")
-                self.close(CLOSE_POLICY, "unauthorized")
-                return
+            state = await manager.resume(self.principal.tenant_id, session_id, token)
             self.services.turns.prefetch(state)
+        if self.closed:  # its key was revoked meanwhile
+            return
         self.attach(state)
         self.last_seq = last_seq
         self.send({"type": "session", "session_id": state.id, "resume_token": token, "title": state.title,
@@ -230,15 +228,25 @@ class Connection:
         # An idle session may have gone cold (dropped from memory) while this socket stayed attached:
         # run the turn on the session's live state, never on the old object (that would fork the session).
         state = await self.services.sessions.open(self.principal.tenant_id, state.id)
+        if not self.holds(state.id):
+            return
         self.state = state
         previous = state.current
         if previous is not None and previous.client_id == client_id:
             self.follow(state, self.last_seq)  # a resent message: no second turn, just what was missed
             return
-        if await self.services.sessions.client_id_used(state.id, client_id):
+        used = await self.services.sessions.client_id_used(state.id, client_id)
+        if not self.holds(state.id):
+            return
+        if used:
             raise ApiError("bad_request", f"message id {client_id!r} was already used in this session")
         await self.services.turns.start(state, content, params, client_id)
         self.follow(state, self.last_seq)
+
+    def holds(self, session_id: str) -> bool:
+        """Whether this socket still holds the session. Checked after every await before acting on
+        it: meanwhile another socket may have taken it over (this one was told and is closing)."""
+        return not self.closed and self.attachments().get(session_id) is self
 
 
 def _optional_str(frame: dict[str, Any], name: str, limit: int) -> str | None:
@@ -339,6 +347,8 @@ async def _on_message(conn: Connection, message: dict[str, Any], max_bytes: int)
         conn.send(from_session_error(exc).frame())
         if exc.code == "conflict":  # another replica serves the session
             conn.close(CLOSE_CONFLICT, "session served elsewhere")
+        elif exc.code == "unauthorized":
+            conn.close(CLOSE_POLICY, "unauthorized")
     except Exception:
         log.exception("frame handling failed")
         conn.error("internal", "internal error")

@@ -201,11 +201,19 @@ class SessionManager:
             state.tokens = self.template.render(state.messages, generation_prompt=False) if state.history() else []
         return state
 
-    async def verify_resume_token(self, tenant_id: str, session_id: str, token: str | None) -> bool:
+    async def resume(self, tenant_id: str, session_id: str, token: str | None) -> SessionState:
+        """`open` for a client that proves it holds the session's resume token. The token is checked
+        first: a wrong one takes no lease, loads nothing and writes nothing."""
+        if not SESSION_ID.fullmatch(session_id):
+            raise NotFound("no such session")
         async with self.sessionmaker() as db:
             repos = Repos(db)
             row = await repos.sessions.get(tenant_id, session_id)
-            return row is not None and token is not None and repos.sessions.verify_resume_token(row, token)
+            if row is None:
+                raise NotFound("no such session")
+            if token is None or not repos.sessions.verify_resume_token(row, token):
+                raise Unauthorized("wrong resume token for this session")
+        return await self.open(tenant_id, session_id)
 
     async def rotate_resume_token(self, tenant_id: str, session_id: str) -> str:
         async with self.sessionmaker() as db, db.begin():

@@ -1,0 +1,51 @@
+"""The real app served by uvicorn inside the test's event loop, for tests that must hold the server
+between two of its awaits (races driven step by step, without sleeps)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+import websockets
+from litestar import Litestar
+
+from chatcore.config import Settings
+from chatcore.models.loader import LoadedModel
+from chatcore.server.app import create_app
+from chatcore.server.services import Services
+
+
+@dataclass
+class InProcessServer:
+    app: Litestar
+    port: int
+
+    @property
+    def services(self) -> Services:
+        return self.app.state.services
+
+    def connect(self, **kwargs: Any) -> Any:
+        return websockets.connect(f"ws://127.0.0.1:{self.port}/v1/ws", max_size=None, **kwargs)
+
+
+@asynccontextmanager
+async def serve(settings: Settings, loaded: LoadedModel) -> AsyncIterator[InProcessServer]:
+    """The socket listens before uvicorn starts, so clients may connect at once: their handshakes
+    wait in the backlog until the app has started."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    app = create_app(settings, loaded)
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
+    task = asyncio.create_task(server.serve(sockets=[listener]))
+    try:
+        yield InProcessServer(app, listener.getsockname()[1])
+    finally:
+        server.should_exit = True
+        await task
+        listener.close()
