@@ -5,11 +5,15 @@ from __future__ import annotations
 import uuid
 
 from sqlalchemy import func, select
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatcore.store import tokens
 from chatcore.store.models import ApiKey, Tenant
 from chatcore.store.types import utcnow
+
+# The dialects whose INSERT takes `ON CONFLICT DO NOTHING`: every backend chatcore runs on.
+_INSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
 
 
 class TenantRepo:
@@ -20,13 +24,32 @@ class TenantRepo:
         return await self.db.scalar(select(Tenant).where(Tenant.name == name))
 
     async def get_or_create_tenant(self, name: str) -> Tenant:
-        """The tenant called `name`, created (and flushed) when missing."""
+        """The tenant called `name`, created when missing.
+
+        Safe against concurrent callers on other connections (replicas starting together on a
+        fresh database): the insert is `ON CONFLICT (name) DO NOTHING`, so a caller that lost the
+        race inserts nothing instead of failing on `uq_tenants_name`, and then reads the winner's
+        row. The conflicting insert waits until the winner's transaction ends (PostgreSQL's row
+        lock, SQLite's write lock), and the re-read sees the committed row under READ COMMITTED
+        (PostgreSQL's default) and on SQLite, whose snapshot starts with that insert. Under
+        REPEATABLE READ or SERIALIZABLE, PostgreSQL raises a serialization failure instead.
+        """
         tenant = await self.get_tenant(name)
-        if tenant is None:
-            tenant = Tenant(id=uuid.uuid4().hex, name=name)
-            self.db.add(tenant)
-            await self.db.flush()
+        if tenant is not None:
+            return tenant
+        await self._insert_if_missing(name)
+        tenant = await self.get_tenant(name)
+        assert tenant is not None, "inserted or conflicting, the row exists"
         return tenant
+
+    async def _insert_if_missing(self, name: str) -> None:
+        insert = _INSERTS[self.db.get_bind().dialect.name]
+        statement = (
+            insert(Tenant)
+            .values(id=uuid.uuid4().hex, name=name)
+            .on_conflict_do_nothing(index_elements=[Tenant.name])
+        )
+        await self.db.execute(statement)
 
 
 class ApiKeyRepo:
