@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from litestar import WebSocket, websocket
@@ -32,10 +32,12 @@ CLOSE_CONFLICT = 4409
 MAX_ID_CHARS = 128
 MAX_TITLE_CHARS = 200
 MAX_SEQ = 2**63 - 1  # frame numbers are stored as 64-bit integers
-# Frames queued for a client that does not read: a whole 2,048-token turn fits many times over;
-# past it the socket is closed (1008) and the queue dropped. (A flood test found the frames of a
-# client that never reads piling up in the server's transport buffer first, not in this queue.)
+# What may wait for a client that does not read (beyond what the kernel's socket buffers hold):
+# a whole 2,048-token turn fits many times over. Past either bound the socket is closed (1008)
+# and the queue dropped. Characters bound the frames that are big (a `session` frame carries the
+# whole history), the count bounds the per-frame overhead of tiny ones (pongs).
 MAX_QUEUED_FRAMES = 8192
+MAX_QUEUED_CHARS = 4 << 20  # of JSON text, 1 to 4 bytes each in memory
 CLOSE_WAIT_S = 10.0  # after the handler ends, how long the last frames may take to leave
 
 
@@ -69,12 +71,18 @@ def arm_grace(services: Services, state: SessionState) -> None:
     state.grace_timer = asyncio.get_running_loop().call_later(services.settings.disconnect_grace_s, expire)
 
 
+class Close(NamedTuple):
+    code: int
+    reason: str
+
+
 class Connection:
     def __init__(self, socket: WebSocket, services: Services, principal: Principal) -> None:
         self.socket = socket
         self.services = services
         self.principal = principal
-        self.out: asyncio.Queue[dict[str, Any] | tuple[int, str]] = asyncio.Queue()
+        self.out: asyncio.Queue[tuple[str, int | None] | Close] = asyncio.Queue()
+        self.queued_chars = 0
         self.state: SessionState | None = None
         self.last_seq: int | None = None
         self.pump: asyncio.Task[None] | None = None
@@ -84,13 +92,18 @@ class Connection:
     def send(self, frame: dict[str, Any]) -> None:
         if self.closed:
             return
-        if self.out.qsize() >= MAX_QUEUED_FRAMES:
+        text = json.dumps(frame, ensure_ascii=False)
+        if self.out.qsize() >= MAX_QUEUED_FRAMES or self.queued_chars + len(text) > MAX_QUEUED_CHARS:
+            log.warning("a client left %d frames (%d characters) unread: closing its socket", self.out.qsize(),
+                        self.queued_chars)
             while not self.out.empty():
                 self.out.get_nowait()
-            log.warning("a client left %d frames unread: closing its socket", MAX_QUEUED_FRAMES)
+            self.queued_chars = 0
             self.close(CLOSE_POLICY, "too many unread frames")
             return
-        self.out.put_nowait(frame)
+        seq = frame.get("seq")
+        self.queued_chars += len(text)
+        self.out.put_nowait((text, seq if isinstance(seq, int) else None))
 
     def error(self, code: str, message: str) -> None:
         self.send({"type": "error", "code": code, "message": message})
@@ -101,18 +114,20 @@ class Connection:
 
     def close(self, code: int, reason: str = "") -> None:
         if not self.closed:
-            self.out.put_nowait((code, reason))
+            self.out.put_nowait(Close(code, reason))
             self.closed = True
 
     async def sender(self) -> None:
         while True:
             item = await self.out.get()
-            if isinstance(item, tuple):
-                await self.socket.close(code=item[0], reason=item[1])
+            if isinstance(item, Close):
+                await self.socket.close(code=item.code, reason=item.reason)
                 return
-            await self.socket.send_data(json.dumps(item, ensure_ascii=False), mode="text")
-            if isinstance(item.get("seq"), int):
-                self.last_seq = max(self.last_seq or 0, item["seq"])
+            text, seq = item
+            self.queued_chars -= len(text)
+            await self.socket.send_data(text, mode="text")
+            if seq is not None:
+                self.last_seq = max(self.last_seq or 0, seq)
 
     # ----- session attachment ----------------------------------------------------------------
     def attachments(self) -> dict[str, Connection]:
@@ -181,7 +196,7 @@ class Connection:
                 raise ApiError("bad_request", "send hello first")
             await self.services.turns.cancel(self.state, "cancelled")
         elif isinstance(kind, str):
-            raise ApiError("bad_request", f"unknown frame type {kind!r}")
+            raise ApiError("bad_request", f"unknown frame type {kind[:40]!r}")
         else:
             raise ApiError("bad_request", "every frame needs a string 'type'")
 

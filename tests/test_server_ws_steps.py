@@ -1,0 +1,92 @@
+"""The WebSocket server driven step by step: the real app in the test's event loop, so that a test
+can hold it between two awaits or learn the moment it acts, without sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from typing import Any
+
+import pytest
+import websockets
+
+from chatcore.cache.audit import audit
+from chatcore.config import Settings
+from tests.inprocess_server import serve
+from tests.server_helpers import hello, turn
+
+pytestmark = pytest.mark.model
+
+
+async def test_a_socket_taken_over_mid_frame_starts_no_turn(tmp_path, loaded_fp32) -> None:
+    settings = Settings(data_dir=tmp_path, dtype="float32", num_blocks=128, kv_disk_gb=0)
+    async with serve(settings, loaded_fp32) as server, server.connect() as first:
+        session = await hello(first)
+        manager, turns = server.services.sessions, server.services.turns
+        entered, release, started = asyncio.Event(), asyncio.Event(), []
+        client_id_used, start = manager.client_id_used, turns.start
+
+        async def gated_client_id_used(*args: Any) -> bool:
+            entered.set()
+            await release.wait()
+            return await client_id_used(*args)
+
+        async def recorded_start(*args: Any, **kwargs: Any) -> Any:
+            started.append(args)  # before its first await: recorded before the test runs again
+            return await start(*args, **kwargs)
+
+        manager.client_id_used, turns.start = gated_client_id_used, recorded_start
+        await first.send(json.dumps({"type": "user", "id": "m1", "content": "Say hello.",
+                                     "params": {"temperature": 0, "max_tokens": 4}}))
+        await entered.wait()  # the first socket's frame waits inside its handling
+        async with server.connect() as second:
+            await hello(second, session_id=session["session_id"], resume_token=session["resume_token"])
+            assert json.loads(await first.recv())["code"] == "conflict"
+            manager.client_id_used = client_id_used
+            release.set()
+            with pytest.raises(websockets.ConnectionClosed):
+                await first.recv()
+        assert started == []
+        state = manager.live[session["session_id"]]
+        assert state.current is None and not state.turn_running
+        report = await server.services.engine.call(lambda core: audit(core.pool))
+        assert report.ok, report.format()
+
+
+async def test_a_client_that_never_reads_is_closed_before_its_frames_pile_up(tmp_path, loaded_fp32) -> None:
+    """Each resume answers with the whole history (~15 KB here). A client that resumes 1,000 times
+    and reads nothing would have the server hold 15 MB for it: past the kernel's socket buffers
+    and a bound of its own, the server drops what it queued and closes with 1008."""
+    settings = Settings(data_dir=tmp_path, dtype="float32", num_blocks=256, kv_disk_gb=0)
+    async with serve(settings, loaded_fp32) as server:
+        async with server.connect() as ws:
+            session = await hello(ws)
+            _, done = await turn(ws, "Repeat: " + " word" * 3000, {"temperature": 0, "max_tokens": 1})
+            assert done["finish_reason"] == "length"
+        resume = json.dumps({"type": "hello", "session_id": session["session_id"],
+                             "resume_token": session["resume_token"]})
+        raw = socket.socket()
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        raw.connect(("127.0.0.1", server.port))
+        async with server.connect(sock=raw, max_queue=1, compression=None) as ws:  # deflate would shrink them
+            await ws.send(resume)
+            assert len(await ws.recv()) > 15_000
+            conn = server.services.extra["ws_attached"][session["session_id"]]
+            closing, close = asyncio.Event(), conn.close
+
+            def observed_close(code: int, reason: str = "") -> None:
+                closing.set()
+                close(code, reason)
+
+            conn.close = observed_close
+            for _ in range(1000):
+                await ws.send(resume)
+            await asyncio.wait_for(closing.wait(), 120)  # the server gave up on this client
+            received = 0
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                while True:
+                    assert json.loads(await ws.recv())["type"] == "session"
+                    received += 1
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008, closed.value
+        assert 0 < received < 1000
