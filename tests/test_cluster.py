@@ -16,6 +16,7 @@ code and the tail of its log, on the command line without a traceback.
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import os
 import re
@@ -26,6 +27,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -489,3 +491,35 @@ def test_postgres_that_cannot_listen_is_reported_with_its_exit_code_and_log(pg_r
     message = str(failed.value)
     assert message.startswith("PostgreSQL (pg_ctl start) exited with code 1"), message
     assert "could not bind" in message and f"lines of {pg_root / 'postgres.log'}" in message, message
+
+
+def test_nginx_logs_no_query_string(tmp_path: Path) -> None:
+    """A query string may carry a key (`?api_key=`): nginx's access log keeps the path only."""
+
+    class Upstream(http.server.BaseHTTPRequestHandler):  # answers 200 to anything, nginx's /healthz first
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    try:
+        proc = start_nginx(tmp_path / "nginx", port, [f"127.0.0.1:{upstream.server_address[1]}"])
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/sessions?api_key=cc-secret-in-url",
+                                        timeout=30) as resp:
+                assert resp.status == 200
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+    finally:
+        upstream.shutdown()
+    logged = (tmp_path / "nginx" / "access.log").read_text()
+    assert "GET /v1/sessions HTTP/1.1" in logged and "cc-secret-in-url" not in logged

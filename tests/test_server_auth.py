@@ -150,9 +150,11 @@ def test_openai_client_needs_the_key(keyed) -> None:
 
 
 async def test_websocket_needs_a_key(keyed) -> None:
-    for key in (None, "cc-not-a-real-key"):
-        async with keyed.connect(key) as ws:
-            await expect_unauthorized_close(ws)
+    async with keyed.connect("cc-not-a-real-key") as ws:
+        await expect_unauthorized_close(ws)
+    async with keyed.connect(None) as ws:  # no key on the upgrade: the first frame must be `auth`
+        await ws.send(json.dumps({"type": "hello"}))
+        await expect_unauthorized_close(ws)
     async with keyed.connect(key=None, additional_headers=bearer("cc-not-a-real-key")) as ws:
         await expect_unauthorized_close(ws)
     async with keyed.connect(keyed.keys["alpha"]) as ws:  # ?api_key=
@@ -235,6 +237,26 @@ async def test_global_scope_shares_across_tenants(keyed_global) -> None:
 
 # ----- open mode (the shared server has no keys) ---------------------------------------------------
 
+async def test_a_browser_sends_its_key_in_a_first_frame_not_the_url(keyed) -> None:
+    alpha = keyed.keys["alpha"]
+    async with keyed.connect(None) as ws:
+        await ws.send(json.dumps({"type": "auth", "api_key": alpha}))
+        session = await hello(ws, title="first frame")
+        await ws.send(json.dumps({"type": "auth", "api_key": alpha}))  # only as the first frame
+        assert json.loads(await ws.recv())["code"] == "bad_request"
+    for frame in ({"type": "auth", "api_key": "cc-not-a-real-key"}, {"type": "auth"}, {"type": "auth", "api_key": 7},
+                  {"type": "auth", "api_key": "x" * 300}, "not json"):
+        async with keyed.connect(None) as ws:
+            await ws.send(frame if isinstance(frame, str) else json.dumps(frame))
+            await expect_unauthorized_close(ws)
+    async with keyed.connect(None) as ws:  # the session is the tenant's: another tenant's key finds nothing
+        await ws.send(json.dumps({"type": "auth", "api_key": keyed.keys["beta"]}))
+        await ws.send(json.dumps({"type": "hello", "session_id": session["session_id"],
+                                  "resume_token": session["resume_token"]}))
+        assert json.loads(await ws.recv())["code"] == "not_found"
+    assert call(keyed, "DELETE", f"/v1/sessions/{session['session_id']}", headers=bearer(alpha)).status_code == 204
+
+
 async def test_open_mode_ignores_any_key(live_server) -> None:
     for headers in (bearer("anything"), {"Authorization": "Basic Zm9vOmJhcg=="}, {}):
         resp = call(live_server, "GET", "/v1/sessions", headers=headers)
@@ -244,6 +266,9 @@ async def test_open_mode_ignores_any_key(live_server) -> None:
     assert client.chat.completions.create(model="m", messages=MSG, max_tokens=1, temperature=0).choices
     async with live_server.connect("garbage") as ws:
         session = await hello(ws)
+    async with live_server.connect() as ws:  # a UI that keeps a key from elsewhere sends it anyway
+        await ws.send(json.dumps({"type": "auth", "api_key": "garbage"}))
+        assert (await hello(ws, session_id=session["session_id"], resume_token=session["resume_token"]))["title"] == ""
     assert live_server.request("DELETE", f"/v1/sessions/{session['session_id']}")[0] == 204
 
 

@@ -555,6 +555,8 @@ async def test_keyed_mode_asks_for_a_key_and_uses_it(browser, keyed_server):
     ctx = await browser.new_context(viewport={"width": 1440, "height": 900}, base_url=keyed_server.base_url)
     try:
         page = await ctx.new_page()
+        sockets: list[str] = []
+        page.on("websocket", lambda ws: sockets.append(ws.url))
         bob = keyed_server.keys["bob"]
         status, created = keyed_server.request("POST", "/v1/sessions", {"title": "bob's chat"}, key=bob)
         assert status == 201, created
@@ -567,8 +569,9 @@ async def test_keyed_mode_asks_for_a_key_and_uses_it(browser, keyed_server):
         await dialog.get_by_role("button", name="Done").click()
 
         item = page.locator(f'[data-testid="session-item"][data-session-id="{created["id"]}"]')
-        await item.locator(".session-open").click()  # no resume token here: POST .../token, then ?api_key= on the socket
+        await item.locator(".session-open").click()  # no resume token here: POST .../token, then the socket
         await expect(page.get_by_test_id("connection")).to_have_attribute("data-state", "open", timeout=GEN_TIMEOUT_MS)
+        assert sockets and not [url for url in sockets if "api_key" in url]  # the key went in a first frame
         assert await page.evaluate("() => JSON.parse(localStorage.getItem('chatcore.settings')).apiKey") == bob
 
         await page.get_by_role("button", name="Cache", exact=True).click()

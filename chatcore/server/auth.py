@@ -59,7 +59,10 @@ class Authenticator:
         return found
 
     async def _lookup(self, connection: ASGIConnection) -> Principal:
-        key = _bearer(connection.headers.get("authorization")) or connection.query_params.get("api_key")
+        return await self.for_key(presented_key(connection))
+
+    async def for_key(self, key: str | None) -> Principal:
+        """The caller holding `key` (None: no key presented)."""
         if await self.open_mode(key_presented=key is not None):
             return Principal(self.services.local_tenant_id, "local", True)
         if not key:
@@ -108,6 +111,10 @@ class RevocationWatch:
             _, close = self._open.pop(handle)
             close()
         return len(closing)
+
+
+def presented_key(connection: ASGIConnection) -> str | None:
+    return _bearer(connection.headers.get("authorization")) or connection.query_params.get("api_key")
 
 
 def _bearer(header: str | None) -> str | None:

@@ -18,7 +18,13 @@ from urllib.parse import urlsplit
 from litestar import WebSocket, websocket
 from litestar.connection import ASGIConnection
 
-from chatcore.server.auth import Authenticator, Principal, RevocationWatch, host_allowed
+from chatcore.server.auth import (
+    Authenticator,
+    Principal,
+    RevocationWatch,
+    host_allowed,
+    presented_key,
+)
 from chatcore.server.errors import ApiError, from_session_error
 from chatcore.server.params import sampling_params
 from chatcore.server.services import Services
@@ -38,6 +44,8 @@ MAX_SEQ = 2**63 - 1  # frame numbers are stored as 64-bit integers
 # whole history), the count bounds the per-frame overhead of tiny ones (pongs).
 MAX_QUEUED_FRAMES = 8192
 MAX_QUEUED_CHARS = 4 << 20  # of JSON text, 1 to 4 bytes each in memory
+AUTH_FRAME_TIMEOUT_S = 10.0  # keyed mode, no key on the upgrade: how long the `auth` frame may take
+MAX_KEY_CHARS = 256
 CLOSE_WAIT_S = 10.0  # after the handler ends, how long the last frames may take to leave
 
 
@@ -191,6 +199,9 @@ class Connection:
             await self.hello(frame)
         elif kind == "user":
             await self.user(frame)
+        elif kind == "auth":  # open mode ignores keys, as it ignores Authorization headers
+            if self.principal.key_id is not None:
+                raise ApiError("bad_request", "this socket is authenticated already; auth is only a first frame")
         elif kind == "cancel":
             if self.state is None:
                 raise ApiError("bad_request", "send hello first")
@@ -284,10 +295,12 @@ async def chat_socket(socket: WebSocket) -> None:
         return
     await socket.accept()
     try:
-        principal = await auth.principal(socket)
+        principal = await _authenticate(socket, auth, settings.max_frame_bytes)
     except ApiError as exc:
         await socket.send_data(json.dumps(exc.frame()), mode="text")
         await socket.close(code=CLOSE_POLICY, reason="unauthorized")
+        return
+    if principal is None:  # gone before it said who it is
         return
     conn = Connection(socket, services, principal)
     sender = asyncio.create_task(conn.sender())
@@ -316,6 +329,31 @@ async def chat_socket(socket: WebSocket) -> None:
         await asyncio.wait({sender}, timeout=CLOSE_WAIT_S)  # a client that reads nothing blocks it
         sender.cancel()
         await asyncio.gather(sender, return_exceptions=True)
+
+
+async def _authenticate(socket: WebSocket, auth: Authenticator, max_bytes: int) -> Principal | None:
+    """The caller, from the upgrade (`Authorization`, `?api_key=`), or else, in keyed mode, from a
+    first frame `{"type":"auth","api_key":...}`: a browser cannot set headers on a WebSocket, and a
+    key in the URL ends up in proxies' logs. None when the client leaves before that frame."""
+    key = presented_key(socket)
+    if key is not None or await auth.open_mode():
+        return await auth.for_key(key)
+    try:
+        message = await asyncio.wait_for(socket.receive(), AUTH_FRAME_TIMEOUT_S)
+    except TimeoutError:
+        raise ApiError("unauthorized", f"no key: send an auth frame within {AUTH_FRAME_TIMEOUT_S:.0f} s") from None
+    if message["type"] == "websocket.disconnect":
+        return None
+    text = message.get("text")
+    try:
+        frame = json.loads(text) if text is not None and len(text) <= max_bytes else None
+    except (ValueError, RecursionError):
+        frame = None
+    api_key = frame.get("api_key") if isinstance(frame, dict) and frame.get("type") == "auth" else None
+    if not isinstance(api_key, str) or not api_key or len(api_key) > MAX_KEY_CHARS:
+        raise ApiError("unauthorized", 'an API key is required: send {"type":"auth","api_key":...} first '
+                                       "(or Authorization: Bearer, or api_key= on the upgrade)")
+    return await auth.for_key(api_key)
 
 
 def _encodable(frame: dict[str, Any]) -> bool:

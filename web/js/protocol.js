@@ -70,11 +70,13 @@ export class Api {
   }
 }
 
-/** The socket URL; `sessionId` in the query lets a router (nginx) keep a session on its replica. */
-export function wsUrl(apiKey, sessionId = null) {
+/**
+ * The socket URL; `sessionId` in the query lets a router (nginx) keep a session on its replica.
+ * The API key never goes in it (proxies log URLs): the socket sends it as its first frame.
+ */
+export function wsUrl(sessionId = null) {
   const scheme = location.protocol === "https:" ? "wss" : "ws";
   const params = new URLSearchParams();
-  if (apiKey) params.set("api_key", apiKey);
   if (sessionId) params.set("session_id", sessionId);
   const query = params.toString();
   return `${scheme}://${location.host}/v1/ws${query ? `?${query}` : ""}`;
@@ -148,7 +150,7 @@ export class SessionSocket extends EventTarget {
     this.setState("connecting");
     let ws;
     try {
-      ws = new WebSocket(wsUrl(this.getKey(), this.sessionId));
+      ws = new WebSocket(wsUrl(this.sessionId));
     } catch {
       this.retry();
       return;
@@ -157,6 +159,8 @@ export class SessionSocket extends EventTarget {
     ws.onopen = () => {
       if (ws !== this.ws) return;
       this.lastHeard = Date.now();
+      const key = this.getKey();
+      if (key) ws.send(JSON.stringify({ type: "auth", api_key: key }));
       ws.send(
         JSON.stringify({
           type: "hello",
