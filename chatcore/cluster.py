@@ -398,10 +398,10 @@ def state_path(data_dir: Path) -> Path:
 def prepare_shared_state(settings: Settings, database_url: str) -> None:
     """Once, before any replica starts, what each replica would otherwise do at the same moment
     at its own start: migrate the database, create the local tenant, and convert the default
-    model if needed. `get_or_create_tenant` reads, then inserts: two replicas starting together on
-    a fresh database both inserted `local`, and the second exited on the unique name (the
-    `cluster up` that failed once and passed on a rerun). Two replicas converting the model into
-    one cache directory would likewise rename their folders onto each other."""
+    model if needed. Each step is also safe when replicas race on it (`get_or_create_tenant`
+    inserts ON CONFLICT DO NOTHING; the conversion holds a file lock): doing them here first keeps
+    a replica's start to loading, and reports a failure once, as `cluster up`'s own. The race on
+    `local` was the `cluster up` that failed once and passed on a rerun."""
     from chatcore.models.loader import resolve_model_path
     from chatcore.store.db import run_migrations
 
