@@ -91,19 +91,19 @@ async def _engine_events(services: Services, principal_tenant: str, messages: li
                          params: SamplingParams) -> AsyncIterator[tuple[str, Any]]:
     """Stateless: ('delta', (index, text)) events, then ('done', (reasons, usage triple))."""
     engine = services.engine
-    request = engine.make_request(engine.chat_prompt(messages), params,
-                                  scope_key=services.sessions.scope_key(principal_tenant))
-    try:
-        engine.core.scheduler.check_fits(request)
-    except RequestRejected as exc:
-        raise ApiError("too_large", str(exc)) from exc
     active = services.sessions.active_turns  # the same per-tenant bound as session turns
     limit = services.settings.max_turns_per_tenant
     if active[principal_tenant] >= limit:
         raise ApiError("busy", f"the tenant already runs {limit} requests")
-    active[principal_tenant] += 1
+    active[principal_tenant] += 1  # before the first await: tokenizing counts against the bound too
     final: RequestOutput | None = None
     try:
+        prompt = await services.sessions.tokenize(lambda: engine.chat_prompt(messages))
+        request = engine.make_request(prompt, params, scope_key=services.sessions.scope_key(principal_tenant))
+        try:
+            engine.core.scheduler.check_fits(request)
+        except RequestRejected as exc:
+            raise ApiError("too_large", str(exc)) from exc
         async with aclosing(engine.generate(request)) as stream:
             async for out in stream:
                 for delta in out.deltas:

@@ -87,6 +87,7 @@ class Services:
         await asyncio.gather(*running, return_exceptions=True)
         await asyncio.gather(*self.turns.background, return_exceptions=True)
         await self.sessions.leases.stop()  # releases this replica's leases
+        self.sessions.close()
         self.engine.shutdown()
         if self.disk is not None:
             self.disk.close()

@@ -11,7 +11,9 @@ import asyncio
 import logging
 import re
 from collections import Counter
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -27,6 +29,7 @@ from chatcore.sessions.turn import TurnFrames
 from chatcore.store.repos import Repos
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class SessionError(Exception):
@@ -70,6 +73,7 @@ class SessionManager:
         loaded = engine.core.loaded
         self.fingerprint = loaded.fingerprint
         self.template = ChatTemplate(loaded.tokenizer, loaded.stop_token_ids)
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatcore-tokenize")
         self.pins = PinRegistry(settings.hot_window_s)
         self.live: dict[str, SessionState] = {}
         self.active_turns: Counter[str] = Counter()
@@ -78,6 +82,18 @@ class SessionManager:
                                   running=lambda: [sid for sid, s in self.live.items() if s.turn_running])
         core = engine.core
         core.scheduler.reclaim = lambda wanted: self.pins.reclaim(wanted, lambda: core.pool.num_available)
+
+    async def tokenize(self, work: Callable[[], T]) -> T:
+        """Run `work`, tokenizer work on text a client sent (an encode, or the chat template rendered
+        to ids), on the tokenizer thread: a 1 MiB body takes about a second and a half to tokenize,
+        and the event loop keeps serving meanwhile. One thread, so encodes never run concurrently
+        (a fast tokenizer's truncation and padding are state its encode may set); the engine
+        thread only decodes."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, work)
+
+    def close(self) -> None:
+        """Stop the tokenizer thread (at shutdown): queued work is cancelled, not run."""
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     def scope_key(self, tenant_id: str) -> str:
         return "global" if self.settings.cache_scope == "global" else f"tenant:{tenant_id}"
@@ -196,9 +212,10 @@ class SessionManager:
                                 "timing": {"queue_ms": None, "ttft_ms": None, "total_ms": None}})
         if chain is not None and row.model_fingerprint == self.fingerprint:
             state.tokens = list(chain.token_ids)
-        elif chain is not None:
+        elif chain is not None and state.history():
             # Another model wrote this history: re-render it; nothing of the old KV is reused.
-            state.tokens = self.template.render(state.messages, generation_prompt=False) if state.history() else []
+            messages = state.messages
+            state.tokens = await self.tokenize(lambda: self.template.render(messages, generation_prompt=False))
         return state
 
     async def resume(self, tenant_id: str, session_id: str, token: str | None) -> SessionState:

@@ -55,42 +55,54 @@ class TurnRunner:
                 raise Busy("a turn is already running in this session")
             if self.m.active_turns[state.tenant_id] >= self.m.settings.max_turns_per_tenant:
                 raise Busy(f"the tenant already runs {self.m.settings.max_turns_per_tenant} turns")
-            await self.m.hold(state)  # the lease: this replica alone runs the session's turns
-            message_tokens = len(self.m.template.tokenizer.encode(content, add_special_tokens=False))
-            if message_tokens > self.m.settings.max_message_tokens:
-                raise TooLarge(f"the message is {message_tokens} tokens; "
-                               f"the limit is {self.m.settings.max_message_tokens}")
-            prompt, added, use_pin = self._prompt(state, content)
-            req = self.engine.make_request(prompt, params, scope_key=state.scope_key)
-            req.keep_table = True
-            try:
-                self.engine.core.scheduler.check_fits(req)
-            except RequestRejected as exc:
-                raise TooLarge(str(exc)) from exc
-            exchange = state.turn_count // 2
-            reserve = 3 + params.max_tokens * params.num_sequences
-            async with self.m.sessionmaker() as db, db.begin():
-                repos = Repos(db)
-                first = await repos.sessions.reserve_seq(state.id, reserve)
-                await repos.turns.add_turn(state.id, "user", content, prompt[len(prompt) - added:],
-                                           client_id=client_id)
-                assistant = await repos.turns.add_turn(state.id, "assistant", "", [], client_id=client_id)
-                await repos.sessions.touch(state.id)
-            state.next_seq = max(state.next_seq, first)
-            state.turn_count += 2
-            state.last_active = time.monotonic()
-            frames = TurnFrames(exchange, client_id, state.take_seq)
-            state.current = frames
-            state.request_id = req.request_id
-            state.cancel_reason = None
+            # Taken before the first await (the lease, the tokenizer thread, the database), so that
+            # no other turn of the tenant passes the check meanwhile; the turn task gives it back.
             self.m.active_turns[state.tenant_id] += 1
-            state.running = asyncio.create_task(
-                self._run(state, frames, req, content, use_pin, assistant.id), name=f"turn-{state.id}")
-            return frames
+            try:
+                return await self._begin(state, content, params, client_id)
+            except BaseException:
+                self.m.active_turns[state.tenant_id] -= 1
+                raise
+
+    async def _begin(self, state: SessionState, content: str, params: SamplingParams,
+                     client_id: str | None) -> TurnFrames:
+        """The turn's prompt, rows and task (the caller holds `state.lock`, so the history stays put)."""
+        await self.m.hold(state)  # the lease: this replica alone runs the session's turns
+        prompt, added, use_pin = await self.m.tokenize(lambda: self._prompt(state, content))
+        req = self.engine.make_request(prompt, params, scope_key=state.scope_key)
+        req.keep_table = True
+        try:
+            self.engine.core.scheduler.check_fits(req)
+        except RequestRejected as exc:
+            raise TooLarge(str(exc)) from exc
+        exchange = state.turn_count // 2
+        reserve = 3 + params.max_tokens * params.num_sequences
+        async with self.m.sessionmaker() as db, db.begin():
+            repos = Repos(db)
+            first = await repos.sessions.reserve_seq(state.id, reserve)
+            await repos.turns.add_turn(state.id, "user", content, prompt[len(prompt) - added:],
+                                       client_id=client_id)
+            assistant = await repos.turns.add_turn(state.id, "assistant", "", [], client_id=client_id)
+            await repos.sessions.touch(state.id)
+        state.next_seq = max(state.next_seq, first)
+        state.turn_count += 2
+        state.last_active = time.monotonic()
+        frames = TurnFrames(exchange, client_id, state.take_seq)
+        state.current = frames
+        state.request_id = req.request_id
+        state.cancel_reason = None
+        state.running = asyncio.create_task(
+            self._run(state, frames, req, content, use_pin, assistant.id), name=f"turn-{state.id}")
+        return frames
 
     def _prompt(self, state: SessionState, content: str) -> tuple[list[int], int, bool]:
-        """(prompt tokens, tokens this turn adds, whether the pinned chain is a prefix of it)."""
+        """On the tokenizer thread: (prompt tokens, tokens this turn adds, whether the pinned chain
+        is a prefix of it); `TooLarge` for a message over the limit, before rendering anything."""
         template = self.m.template
+        message_tokens = len(template.tokenizer.encode(content, add_special_tokens=False))
+        if message_tokens > self.m.settings.max_message_tokens:
+            raise TooLarge(f"the message is {message_tokens} tokens; "
+                           f"the limit is {self.m.settings.max_message_tokens}")
         if not state.tokens:
             prompt = template.first_turn(state.system_prompt, content)
             return prompt, len(prompt), False
