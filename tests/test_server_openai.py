@@ -188,3 +188,23 @@ def test_x_session_id_of_an_unknown_session_is_not_found(client) -> None:
     with pytest.raises(openai.NotFoundError) as err:
         ask(client, "Hello?", max_tokens=2, extra_headers={"X-Session-Id": "no-such-session"})
     assert err.value.response.json()["error"]["code"] == "not_found"
+
+
+UNIMPLEMENTED = {  # a value that asks for the feature, and one that asks for nothing
+    "frequency_penalty": (0.5, 0), "presence_penalty": (-1.0, 0.0), "logit_bias": ({"42": 100}, {}),
+    "logprobs": (True, False), "top_logprobs": (3, 0), "response_format": ({"type": "json_object"}, {"type": "text"}),
+    "tools": ([{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}], []),
+    "tool_choice": ("auto", "none"), "parallel_tool_calls": ("yes", False), "store": (True, False),
+    "metadata": ({"team": "a"}, {}), "service_tier": ("flex", "auto"),
+}
+
+
+@pytest.mark.parametrize("field", sorted(UNIMPLEMENTED))
+def test_a_field_that_is_not_implemented_is_refused_not_ignored(client, field: str) -> None:
+    asks, neutral = UNIMPLEMENTED[field]
+    with pytest.raises(openai.BadRequestError) as refused:
+        ask(client, "Say hi.", max_tokens=1, temperature=0, extra_body={field: asks})
+    assert refused.value.status_code == 400
+    assert refused.value.body["code"] == "unsupported_parameter" and field in refused.value.body["message"]
+    answer = ask(client, "Say hi.", max_tokens=1, temperature=0, extra_body={field: neutral})
+    assert answer.usage.completion_tokens == 1

@@ -13,6 +13,7 @@ log = logging.getLogger(__name__)
 
 HTTP_STATUS = {
     "bad_request": 400,
+    "unsupported_parameter": 400,
     "unauthorized": 401,
     "not_found": 404,
     "conflict": 409,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -30,6 +30,36 @@ OPENAI_PARAMS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", 
                  "logit_bias", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
                  "parallel_tool_calls", "metadata", "store", "service_tier", "top_k", "ignore_eos"}
 ROLES = {"system", "user", "assistant", "developer"}
+
+
+def _zero(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+
+
+# OpenAI fields chatcore does not implement. Each is accepted only at the value that asks for nothing
+# (clients that send every default keep working) and is otherwise refused, never silently dropped.
+UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
+    "frequency_penalty": _zero,
+    "presence_penalty": _zero,
+    "logit_bias": lambda v: v == {},
+    "logprobs": lambda v: v is False,
+    "top_logprobs": _zero,
+    "response_format": lambda v: v == {"type": "text"},
+    "tools": lambda v: v == [],
+    "tool_choice": lambda v: v == "none",
+    "parallel_tool_calls": lambda v: isinstance(v, bool),  # says nothing without tools
+    "store": lambda v: v is False,
+    "metadata": lambda v: v == {},
+    "service_tier": lambda v: v in ("auto", "default"),
+}
+
+
+def refuse_unimplemented(data: dict[str, Any]) -> None:
+    for name, neutral in UNIMPLEMENTED.items():
+        value = data.get(name)
+        if value is not None and not neutral(value):
+            raise ApiError("unsupported_parameter", f"{name} is not supported by this server; "
+                                                    f"leave it out (or send {name}: null)")
 
 
 def _text(content: Any) -> str:
@@ -162,6 +192,7 @@ async def chat_completions(request: Request[Any, Any, Any], data: dict[str, Any]
     unknown = sorted(set(data) - OPENAI_PARAMS)
     if unknown:
         raise ApiError("bad_request", f"unsupported fields: {', '.join(unknown)}")
+    refuse_unimplemented(data)
     messages = parse_messages(data.get("messages"))
     raw = {k: data[k] for k in ("temperature", "top_p", "n", "seed", "stop", "top_k", "ignore_eos") if data.get(k) is not None}
     max_tokens = data.get("max_completion_tokens", data.get("max_tokens"))
