@@ -110,14 +110,23 @@ def bench_command(args: argparse.Namespace, settings: Settings) -> int:
         _log(f"[{name}] done in {cpu['wall_s']:.1f} s; other processes used {cpu['foreign_busy_cores']:.2f} cores "
              f"meanwhile{' (DISTURBED: re-run this suite)' if cpu['foreign_busy_cores'] > 0.3 else ''}")
         for t in result.get("targets", []):
-            _log(f"    {'MET   ' if t['met'] else 'MISSED'} {t['name']}: {_fmt(t['value'])} ({t['detail']})")
+            verdict = "REPORT" if t["met"] is None else "MET   " if t["met"] else "MISSED"
+            _log(f"    {verdict} {t['name']}: {_fmt(t['value'])} ({t['detail']})")
         _write(path, ctx, mode, suites, busy)
 
     from bench.report import markdown_table
 
     (out / "table.md").write_text(markdown_table(json.loads(path.read_text())))
     _log(f"wrote {path}, {out / 'table.md'} and plots in {out} ({time.monotonic() - started:.0f} s)")
-    return 1 if failures else 0
+    return exit_code(suites, failures, fail_on_missed=not args.no_fail)
+
+
+def exit_code(suites: dict[str, Any], failures: int, *, fail_on_missed: bool) -> int:
+    """1 when a suite failed to run, or (unless --no-fail) when a target was missed."""
+    missed = [t["name"] for s in suites.values() for t in s.get("targets", []) if t["met"] is False]
+    if missed:
+        _log(f"{len(missed)} target(s) missed: {'; '.join(missed)}")
+    return 1 if failures or (missed and fail_on_missed) else 0
 
 
 def _write(path: Path, ctx: Any, mode: dict[str, Any], suites: dict[str, Any], busy: list[str]) -> None:

@@ -39,6 +39,12 @@ def target(name: str, value: float, op: str, threshold: float, detail: str = "")
     return {"name": name, "value": value, "op": op, "threshold": threshold, "met": bool(ok), "detail": detail}
 
 
+def reported(name: str, value: float, detail: str = "") -> dict[str, Any]:
+    """A figure shown beside the targets without a verdict (`met` None): a sanity check, or a
+    comparison with no threshold worth judging. It never fails a run."""
+    return {"name": name, "value": value, "op": "report", "threshold": None, "met": None, "detail": detail}
+
+
 class CpuMonitor:
     """How busy the machine was, apart from this process tree, while a suite ran.
 

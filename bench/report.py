@@ -45,8 +45,9 @@ def markdown_table(data: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for t in data.get("targets", []):
-        lines.append(f"| {t['suite']} | {t['name']} | {_num(t['value'])} | {t['op']} {_num(t['threshold'])} | "
-                     f"{'met' if t['met'] else '**missed**'} |")
+        goal, verdict = ("", "reported") if t["met"] is None else (f"{t['op']} {_num(t['threshold'])}",
+                                                                   "met" if t["met"] else "**missed**")
+        lines.append(f"| {t['suite']} | {t['name']} | {_num(t['value'])} | {goal} | {verdict} |")
     suites = data.get("suites", {})
     thr = suites.get("throughput", {}).get("systems")
     if thr:

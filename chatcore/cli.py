@@ -168,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--suite", default="all")
     bench.add_argument("--quick", action="store_true")
     bench.add_argument("--out", default="bench/results")
+    bench.add_argument("--no-fail", dest="no_fail", action="store_true",
+                       help="exit 0 even when a target is missed (report only)")
     bench.add_argument("--sessions", default=None, help="sessions suite: session counts, e.g. 16,64,256")
     bench.add_argument("--turns", type=int, default=None, help="sessions suite: turns per session")
     bench.add_argument("--kv-disk-gb", dest="kv_disk_gb", type=_gb_or_auto, default=None,
