@@ -38,7 +38,7 @@ from tests.server_helpers import create_key, start_server
 
 pytestmark = pytest.mark.model
 ALLOWED_ORIGIN = "https://chat.example.com"
-OPEN_ROUTES = {"/healthz"}  # /metrics needs a key in keyed mode (metrics_auth=key, the default)
+OPEN_ROUTES = {"/healthz", "/readyz"}  # /metrics needs a key in keyed mode (metrics_auth=key, the default)
 TOKEN_CHARS = re.compile(r"^[A-Za-z0-9_-]{43,}$")  # url-safe base64 of at least 256 bits
 BLOCK_FILE = re.compile(r"^kv/[0-9a-f]{2}/[0-9a-f]{32}\.kvb$")
 FIGURES: dict[str, object] = {}

@@ -311,6 +311,7 @@ async def test_concurrent_turns_per_tenant_limit(limits) -> None:
         assert_error(resp, 429, "busy")
         resp = raw(limits, "POST", "/v1/chat/completions", json.dumps({"messages": MSG, "max_tokens": 2}).encode())
         assert_error(resp, 429, "busy")  # a stateless request counts against the tenant's turns too
+        assert resp.headers["retry-after"] == "1"  # what OpenAI clients wait before retrying
         await still_open(b)
         await a.send(json.dumps({"type": "cancel"}))
         done = (await recv_until(a, "done"))[-1]

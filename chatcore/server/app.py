@@ -98,6 +98,7 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> Litesta
                 ops_routes.admin_cache,
             ]),
             ops_routes.healthz,
+            ops_routes.readyz,
             ops_routes.metrics,
         ],
         lifespan=[lifespan],

@@ -41,8 +41,12 @@ def from_session_error(exc: SessionError) -> ApiError:
     return ApiError(exc.code, str(exc))
 
 
+RETRY_AFTER_S = 1  # `busy` is a moment's congestion (a full queue, a tenant's turns in flight)
+
+
 def _body(code: str, message: str, status: int) -> Response[dict[str, dict[str, str]]]:
-    return Response({"error": {"code": code, "message": message}}, status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    return Response({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
 
 
 def api_error_handler(_: Request, exc: ApiError) -> Response[dict[str, dict[str, str]]]:

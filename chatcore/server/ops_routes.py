@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import Awaitable
 from typing import Any
 
 from litestar import Request, Response, get
@@ -18,12 +21,44 @@ from chatcore.server.errors import ApiError
 from chatcore.server.services import Services
 from chatcore.store.models import ChatSession
 
+log = logging.getLogger(__name__)
 GAUGE_REFRESH_S = 5.0
+
+
+READY_TIMEOUT_S = 5.0
 
 
 @get("/healthz")
 async def healthz() -> dict[str, str]:
+    """Liveness: the event loop answers."""
     return {"status": "ok"}
+
+
+@get("/readyz")
+async def readyz(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+    """Readiness: the engine thread runs a command between two steps, and the database answers a
+    query, each within `READY_TIMEOUT_S`. 503 names the failing check (and nothing more)."""
+    services: Services = request.app.state.services
+
+    async def database() -> None:
+        async with services.sessionmaker() as db:
+            await db.execute(select(1))
+
+    checks = {"engine": await _answers(services.engine.call(lambda core: None)),
+              "database": await _answers(database())}
+    ready = all(checks.values())
+    return Response({"status": "ready" if ready else "not ready",
+                     "checks": {name: "ok" if ok else "failing" for name, ok in checks.items()}},
+                    status_code=200 if ready else 503)
+
+
+async def _answers(check: Awaitable[object]) -> bool:
+    try:
+        await asyncio.wait_for(check, READY_TIMEOUT_S)
+    except Exception:  # any failure or the timeout: not ready (the reason is the operator's to find in the log)
+        log.warning("readiness check failed", exc_info=True)
+        return False
+    return True
 
 
 async def metrics_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
