@@ -208,3 +208,22 @@ def test_a_field_that_is_not_implemented_is_refused_not_ignored(client, field: s
     assert refused.value.body["code"] == "unsupported_parameter" and field in refused.value.body["message"]
     answer = ask(client, "Say hi.", max_tokens=1, temperature=0, extra_body={field: neutral})
     assert answer.usage.completion_tokens == 1
+
+
+def test_each_turn_logs_one_line_of_what_it_cost(client, live_server) -> None:
+    import re
+
+    stateless = ask(client, "Name a fruit.", max_tokens=3, temperature=0)
+    status, session = live_server.request("POST", "/v1/sessions", {"title": "logged"})
+    assert status == 201
+    turn = ask(client, "Name a colour.", max_tokens=3, temperature=0, extra_headers={"X-Session-Id": session["id"]})
+    lines = re.findall(r"turn tenant=(\S+) session=(\S+) request=(\S+) prompt=(\d+) cached_device=(\d+) "
+                       r"cached_disk=(\d+) recomputed=(\d+) ttft_ms=(\d+) generated=(\d+) finish=(\S+)", live_server.log())
+    by_session = {line[1]: line for line in lines}
+    for answer, key in ((stateless, "-"), (turn, session["id"])):
+        _, _, request_id, prompt, device, disk, recomputed, _, generated, finish = by_session[key]
+        assert request_id and int(prompt) == answer.usage.prompt_tokens
+        assert int(device) + int(disk) == answer.usage.prompt_tokens_details.cached_tokens
+        assert int(recomputed) == int(prompt) - int(device) - int(disk)
+        assert int(generated) == answer.usage.completion_tokens and finish == answer.choices[0].finish_reason
+    live_server.request("DELETE", f"/v1/sessions/{session['id']}")

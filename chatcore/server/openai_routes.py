@@ -24,6 +24,7 @@ from chatcore.server.errors import ApiError
 from chatcore.server.params import sampling_params
 from chatcore.server.services import Services
 from chatcore.server.ws import arm_grace
+from chatcore.turnlog import log_turn
 
 OPENAI_PARAMS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed", "stop", "user",
                  "stream", "stream_options", "messages", "model", "frequency_penalty", "presence_penalty",
@@ -153,6 +154,10 @@ async def _engine_events(services: Services, principal_tenant: str, messages: li
     services.metrics.record_request(next(iter(reasons.values()), "stop"), usage.prompt_tokens,
                                     usage.cached_tokens - usage.cached_disk_tokens, usage.cached_disk_tokens,
                                     timings.queue_ms, timings.ttft_ms, timings.inter_token_ms)
+    log_turn(tenant_id=principal_tenant, session_id=None, request_id=request.request_id,
+             prompt_tokens=usage.prompt_tokens, cached_device=usage.cached_tokens - usage.cached_disk_tokens,
+             cached_disk=usage.cached_disk_tokens, ttft_ms=timings.ttft_ms, completion_tokens=usage.completion_tokens,
+             finish_reason=",".join(sorted(set(reasons.values()))))
     yield "done", (reasons, (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens))
 
 

@@ -32,6 +32,7 @@ from chatcore.sessions.manager import Busy, TooLarge
 from chatcore.sessions.state import HISTORY_REASONS, SessionState
 from chatcore.sessions.turn import TurnFrames
 from chatcore.store.repos import Repos, TurnStats
+from chatcore.turnlog import log_turn
 
 if TYPE_CHECKING:
     from chatcore.sessions.manager import SessionManager
@@ -297,6 +298,10 @@ class TurnRunner:
         self.m.metrics.record_request(reason, stats.prompt_tokens, stats.cached_device_tokens,
                                       stats.cached_disk_tokens, stats.queue_ms, stats.ttft_ms,
                                       timings.inter_token_ms if timings else [])
+        log_turn(tenant_id=state.tenant_id, session_id=state.id, request_id=req.request_id,
+                 prompt_tokens=stats.prompt_tokens, cached_device=stats.cached_device_tokens,
+                 cached_disk=stats.cached_disk_tokens, ttft_ms=stats.ttft_ms,
+                 completion_tokens=stats.completion_tokens, finish_reason=reason)
         try:
             await self._pin(state, req, keep=saved)
         finally:
