@@ -258,7 +258,8 @@ class Postgres:
         be repeated, so a run interrupted between them is finished by the next."""
         self._write_password_file()
         quoted = self.password.replace("'", "''")
-        self._psql("postgres", f"ALTER ROLE {PG_USER} PASSWORD '{quoted}'")
+        # Before PostgreSQL 14 the default hash is md5, which a scram-sha-256 rule refuses.
+        self._psql("postgres", f"SET password_encryption = 'scram-sha-256'; ALTER ROLE {PG_USER} PASSWORD '{quoted}'")
         hba = self.data / "pg_hba.conf"
         hba.write_text(TRUST_RULE.sub(r"\1scram-sha-256\2", hba.read_text()))
         self._psql("postgres", "SELECT pg_reload_conf()")

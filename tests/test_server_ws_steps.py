@@ -90,3 +90,58 @@ async def test_a_client_that_never_reads_is_closed_before_its_frames_pile_up(tmp
                     received += 1
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008, closed.value
         assert 0 < received < 1000
+
+
+async def test_a_socket_taken_over_while_its_turn_waits_for_the_session_starts_no_turn(tmp_path, loaded_fp32) -> None:
+    """The first socket passes its checks and waits for the session's lock inside `start`, held by
+    the second socket's `hello`, which attaches as soon as it lets go: the first must start nothing."""
+    settings = Settings(data_dir=tmp_path, dtype="float32", num_blocks=128, kv_disk_gb=0)
+    async with serve(settings, loaded_fp32) as server, server.connect() as first:
+        session = await hello(first)
+        manager, turns = server.services.sessions, server.services.turns
+        client_id_used, hold, start = manager.client_id_used, manager.hold, turns.start
+        first_checked, first_go, second_holds, second_go = (asyncio.Event() for _ in range(4))
+        in_start, start_ended, begun = asyncio.Event(), asyncio.Event(), []
+
+        async def gated_client_id_used(*args: Any) -> bool:
+            first_checked.set()
+            await first_go.wait()
+            return await client_id_used(*args)
+
+        async def gated_hold(*args: Any) -> None:
+            second_holds.set()  # the second socket's `open`, with the session's lock held
+            await second_go.wait()
+            await hold(*args)
+
+        async def observed_start(*args: Any, **kwargs: Any) -> Any:
+            in_start.set()  # then, before the test runs again, it queues on the session's lock
+            try:
+                return await start(*args, **kwargs)
+            finally:
+                start_ended.set()
+
+        async def recorded_begin(*args: Any) -> Any:
+            begun.append(args)
+            return await begin(*args)
+
+        begin = turns._begin
+        manager.client_id_used, turns.start, turns._begin = gated_client_id_used, observed_start, recorded_begin
+        await first.send(json.dumps({"type": "user", "id": "m1", "content": "Say hello.",
+                                     "params": {"temperature": 0, "max_tokens": 4}}))
+        await first_checked.wait()
+        manager.hold = gated_hold
+        async with server.connect() as second:
+            await second.send(json.dumps({"type": "hello", "session_id": session["session_id"],
+                                          "resume_token": session["resume_token"]}))
+            await second_holds.wait()
+            manager.hold = hold
+            first_go.set()
+            await in_start.wait()
+            second_go.set()
+            assert json.loads(await second.recv())["type"] == "session"
+            assert json.loads(await first.recv())["code"] == "conflict"
+            await start_ended.wait()
+            assert begun == []
+            state = manager.live[session["session_id"]]
+            assert state.current is None and not state.turn_running
+            assert manager.active_turns[state.tenant_id] == 0

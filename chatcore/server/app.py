@@ -70,10 +70,10 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> Litesta
         app.state.services = services
         app.state.auth = Authenticator(services)
         app.state.gauges = ops_routes.GaugeRefresher(services)
-        await app.state.gauges.start()
         app.state.revocations = RevocationWatch(services)
-        app.state.revocations.start()
-        try:
+        try:  # whatever fails from here on, the services stop (leases released, engine joined)
+            await app.state.gauges.start()
+            app.state.revocations.start()
             yield
         finally:
             await app.state.revocations.stop()

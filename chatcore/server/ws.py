@@ -266,7 +266,8 @@ class Connection:
             return
         if used:
             raise ApiError("bad_request", f"message id {client_id!r} was already used in this session")
-        await self.services.turns.start(state, content, params, client_id)
+        await self.services.turns.start(state, content, params, client_id,
+                                        still_current=lambda: self.holds(state.id))
         self.follow(state, self.last_seq)
 
     def holds(self, session_id: str) -> bool:
@@ -336,7 +337,9 @@ async def _authenticate(socket: WebSocket, auth: Authenticator, max_bytes: int) 
     first frame `{"type":"auth","api_key":...}`: a browser cannot set headers on a WebSocket, and a
     key in the URL ends up in proxies' logs. None when the client leaves before that frame."""
     key = presented_key(socket)
-    if key is not None or await auth.open_mode():
+    # Re-checked now (one count of keys): a socket let in as `local` on a stale "open" answer would
+    # stay the admin tenant for its whole life, whatever key its `auth` frame then names.
+    if key is not None or await auth.open_mode(key_presented=True):
         return await auth.for_key(key)
     try:
         message = await asyncio.wait_for(socket.receive(), AUTH_FRAME_TIMEOUT_S)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
@@ -28,7 +29,7 @@ from chatcore.engine.outputs import RequestOutput
 from chatcore.engine.request import Request, SamplingParams
 from chatcore.engine.scheduler import QueueFull, RequestRejected
 from chatcore.sessions.leases import LeaseLost
-from chatcore.sessions.manager import Busy, TooLarge
+from chatcore.sessions.manager import Busy, Conflict, TooLarge
 from chatcore.sessions.state import HISTORY_REASONS, SessionState
 from chatcore.sessions.turn import TurnFrames
 from chatcore.store.repos import Repos, TurnStats
@@ -47,9 +48,13 @@ class TurnRunner:
         self.background: set[asyncio.Task[object]] = set()
 
     async def start(self, state: SessionState, content: str, params: SamplingParams,
-                    client_id: str | None = None) -> TurnFrames:
-        """Start a turn, or return the turn this `client_id` already started (idempotency)."""
+                    client_id: str | None = None, still_current: Callable[[], bool] = lambda: True) -> TurnFrames:
+        """Start a turn, or return the turn this `client_id` already started (idempotency).
+        `still_current`: whether the caller (a socket) still holds the session once the lock is
+        taken; meanwhile another socket may have taken it over, and must find no turn it did not see."""
         async with state.lock:
+            if not still_current():
+                raise Conflict("another connection took over this session")
             if client_id is not None and state.current is not None and state.current.client_id == client_id:
                 return state.current
             if state.turn_running:
@@ -126,31 +131,31 @@ class TurnRunner:
                    use_pin: bool, assistant_id: int) -> None:
         final: RequestOutput | None = None
         error: str | None = None
-        try:
-            frames.emit({"type": "start"})
-            await self._attach_prefix(state, req, use_pin)
-            # A cancel (or an expired grace period) that came while the prefix was attached found
-            # no request in the engine to abort: honour it here. From here to the engine's `add`
-            # nothing awaits, so a later cancel finds the request.
-            if state.cancel_reason is None:
-                async with aclosing(self.engine.generate(req)) as stream:
-                    async for out in stream:
-                        for delta in out.deltas:
-                            if delta.text:
-                                frames.emit({"type": "token", "index": delta.index, "text": delta.text})
-                        if out.finished:
-                            final = out
-        except QueueFull:
-            error = "busy"
-        except Exception as exc:  # the turn fails, the session and the server live on
-            log.exception("turn failed in session %s", state.id)
-            error = f"{type(exc).__name__}"
-        try:
-            if req.prefix_table is not None:  # it never reached the engine, which would release it
-                await self.engine.call(lambda core: core.discard(req))
-        except Exception:  # the engine is stopping: it releases everything itself
-            log.exception("could not release the prefix of a turn in session %s", state.id)
-        try:
+        try:  # the tenant's slot is given back whatever happens, a cancellation too
+            try:
+                frames.emit({"type": "start"})
+                await self._attach_prefix(state, req, use_pin)
+                # A cancel (or an expired grace period) that came while the prefix was attached found
+                # no request in the engine to abort: honour it here. From here to the engine's `add`
+                # nothing awaits, so a later cancel finds the request.
+                if state.cancel_reason is None:
+                    async with aclosing(self.engine.generate(req)) as stream:
+                        async for out in stream:
+                            for delta in out.deltas:
+                                if delta.text:
+                                    frames.emit({"type": "token", "index": delta.index, "text": delta.text})
+                            if out.finished:
+                                final = out
+            except QueueFull:
+                error = "busy"
+            except Exception as exc:  # the turn fails, the session and the server live on
+                log.exception("turn failed in session %s", state.id)
+                error = f"{type(exc).__name__}"
+            try:
+                if req.prefix_table is not None:  # it never reached the engine, which would release it
+                    await self.engine.call(lambda core: core.discard(req))
+            except Exception:  # the engine is stopping: it releases everything itself
+                log.exception("could not release the prefix of a turn in session %s", state.id)
             await self._finish(state, frames, req, content, final, error, assistant_id)
         finally:
             self.m.active_turns[state.tenant_id] -= 1
