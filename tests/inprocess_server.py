@@ -14,7 +14,9 @@ import uvicorn
 import websockets
 from litestar import Litestar
 
+from chatcore.cache.audit import audit
 from chatcore.config import Settings
+from chatcore.engine.engine import EngineStopped
 from chatcore.models.loader import LoadedModel
 from chatcore.server.app import create_app
 from chatcore.server.services import Services
@@ -36,7 +38,7 @@ class InProcessServer:
 @asynccontextmanager
 async def serve(settings: Settings, loaded: LoadedModel) -> AsyncIterator[InProcessServer]:
     """The socket listens before uvicorn starts, so clients may connect at once: their handshakes
-    wait in the backlog until the app has started."""
+    wait in the backlog until the app has started. On a clean exit the block audit must hold."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
@@ -45,6 +47,12 @@ async def serve(settings: Settings, loaded: LoadedModel) -> AsyncIterator[InProc
     task = asyncio.create_task(server.serve(sockets=[listener]))
     try:
         yield InProcessServer(app, listener.getsockname()[1])
+        engine = app.state.services.engine
+        try:
+            report = await engine.call(lambda core: audit(core.pool))
+        except EngineStopped:  # the test stopped it: nothing touches the pool any more
+            report = audit(engine.core.pool)
+        assert report.ok, report.format()  # every block accounted for, whatever the test did
     finally:
         server.should_exit = True
         await task

@@ -80,7 +80,14 @@ def keyed(tmp_path_factory) -> Iterator[LiveServer]:
     server = start_server(data_dir)
     server.keys = keys
     yield server
+    assert_audit_ok(server.base_url, keys["ops"])
     server.stop()
+
+
+def assert_audit_ok(base_url: str, admin_key: str) -> None:
+    """After the module's tests: every KV block accounted for."""
+    resp = httpx.get(base_url + "/v1/admin/cache", headers={"Authorization": f"Bearer {admin_key}"}, timeout=60)
+    assert resp.status_code == 200 and resp.json()["audit"]["ok"], resp.text
 
 
 def test_keyed_mode_metrics_need_a_key(keyed: LiveServer) -> None:
@@ -156,6 +163,7 @@ def in_process(tmp_path_factory, loaded_fp32) -> Iterator[InProcessServer]:
     base_url = f"http://127.0.0.1:{port}"
     wait_healthy(base_url, thread)
     yield InProcessServer(base_url, app, loop_ready.result(timeout=1), keys)
+    assert_audit_ok(base_url, keys["ops"])
     server.should_exit = True
     thread.join(timeout=60)
 
