@@ -96,7 +96,7 @@ async def test_two_replicas_index_the_same_blocks_at_once(sessionmaker: Maker, t
 
 # ----- leases through the sessions layer ---------------------------------------------------------
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
-LONG = SamplingParams(max_tokens=400, temperature=0.0)
+LONG = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)  # runs until cancelled, on any CPU
 LEASE_S = 1.0
 
 
