@@ -160,9 +160,9 @@ class Context:
 
     @property
     def dtype_name(self) -> str:
-        from chatcore.models.loader import resolve_dtype
+        from chatcore.models.device import resolve_device, resolve_dtype
 
-        return str(resolve_dtype(self.settings.dtype)).removeprefix("torch.")
+        return str(resolve_dtype(self.settings.dtype, resolve_device(self.settings.device))).removeprefix("torch.")
 
     def engine_settings(self, **overrides: Any) -> Settings:
         """The run's settings for an in-process engine. The queue bound (`max_queue_wait_s`, 30 s)

@@ -72,6 +72,7 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
 
 
 PRIVATE_COMMANDS = {"serve", "migrate", "keys"}  # cluster: its replicas are `serve` processes
+DEVICE_COMMANDS = {"serve", "generate", "bench"}
 
 
 def _gb_or_auto(value: str) -> float | str:
@@ -85,6 +86,11 @@ def _gb_or_auto(value: str) -> float | str:
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="a local Hugging Face folder, or 'default' (CHATCORE_MODEL)")
+    parser.add_argument("--device", default=None,
+                        help="auto (cuda when there is a GPU, else cpu), cpu, cuda or cuda:N (CHATCORE_DEVICE)")
+    parser.add_argument("--gpu-memory-fraction", dest="gpu_memory_fraction", type=float, default=None,
+                        help="on CUDA: the share of the GPU memory free after loading that the KV pool takes "
+                        "when --kv-cache-gb is auto (CHATCORE_GPU_MEMORY_FRACTION, 0.85)")
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--kv-dtype", dest="kv_dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                         help="KV cache storage dtype; auto: the model's (CHATCORE_KV_DTYPE)")
@@ -188,6 +194,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     handler: Handler = args.handler
+    if args.command in DEVICE_COMMANDS:
+        from chatcore.models.device import DeviceUnavailable, resolve_device
+
+        try:
+            resolve_device(settings.device)
+        except DeviceUnavailable as exc:
+            print(f"chatcore: {exc}", file=sys.stderr)
+            return 2
     if args.command in PRIVATE_COMMANDS:
         os.umask(0o077)  # the database, the KV files and their folders: the server's user's alone
     return handler(args, settings)

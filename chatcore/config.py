@@ -25,6 +25,8 @@ class Settings(BaseSettings):
 
     # Model and compute.
     model: str = DEFAULT_MODEL
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
+                        description="auto: cuda when torch sees a GPU, else cpu; or cpu, cuda, cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="KV cache storage dtype; auto: the model's dtype (exact)")
@@ -33,8 +35,12 @@ class Settings(BaseSettings):
     # KV cache.
     block_size: int = Field(16, ge=1)
     kv_cache_gb: Annotated[float, Field(gt=0)] | Literal["auto"] = Field(
-        "auto", description="KV pool budget in GiB; auto: a quarter of the available RAM")
+        "auto", description="KV pool budget in GiB; auto: a quarter of the available RAM on the CPU, "
+        "gpu_memory_fraction of the free GPU memory on CUDA")
     num_blocks: int | None = Field(None, ge=1, description="overrides kv_cache_gb")
+    gpu_memory_fraction: float = Field(
+        0.85, gt=0, le=1, description="on CUDA with kv_cache_gb=auto: the share of the GPU memory left after "
+        "loading the model that the KV pool takes")
     low_watermark: float = Field(0.15, ge=0, lt=1)
     high_watermark: float = Field(0.30, ge=0, lt=1)
     cache_scope: Literal["global", "tenant"] = Field(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 NEG = -1.0e9
 
@@ -48,17 +48,23 @@ class BeamSearch:
     def candidates(self) -> int:
         return max(2, 1 + len(self.stop_ids)) * self.width
 
-    def step(self, logits: torch.Tensor, scores: list[float], outputs: list[list[int]]) -> list[BeamChoice]:
-        """One step over the running beams' logits [beams, vocab]; returns the next running beams.
+    def step(self, values: list[list[float]], ids: list[list[int]], scores: list[float],
+             outputs: list[list[int]]) -> list[BeamChoice]:
+        """One step over the running beams; returns the next running beams.
 
-        `scores` are the running beams' summed log-probs, `outputs` their generated ids so far.
+        `values` and `ids` are each beam's best log-probs and their ids (`beam_candidates`,
+        at least `candidates` per beam), `scores` the beams' summed log-probs so far, `outputs`
+        their generated ids. The best `candidates` of every beam hold the best `candidates`
+        overall, so this ranks as a top-k over all beams' full rows would. Sums are float32
+        additions, as transformers makes them.
         """
-        vocab = logits.shape[-1]
-        log_probs = torch.log_softmax(logits.float(), dim=-1) + torch.tensor(scores).unsqueeze(1)
-        top_scores, top_index = torch.topk(log_probs.view(-1), min(self.candidates, log_probs.numel()))
-        parents = (top_index // vocab).tolist()
-        tokens = (top_index % vocab).tolist()
-        sums = top_scores.tolist()
+        per_beam = np.asarray(values, dtype=np.float32) + np.asarray(scores, dtype=np.float32)[:, None]
+        flat = [(float(per_beam[b, j]), b, ids[b][j]) for b in range(len(ids)) for j in range(len(ids[b]))]
+        flat.sort(key=lambda c: (-c[0], c[1], c[2]))
+        top = flat[: self.candidates]
+        sums = [c[0] for c in top]
+        parents = [c[1] for c in top]
+        tokens = [c[2] for c in top]
         length = self.generated + 1
         at_limit = length >= self.max_tokens
         stops = [at_limit or tok in self.stop_ids for tok in tokens]

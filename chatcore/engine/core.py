@@ -22,11 +22,12 @@ from chatcore.engine.detok import IncrementalDetokenizer
 from chatcore.engine.outputs import CompletedSeq, RequestOutput, SeqDelta, Timings, Usage
 from chatcore.engine.request import FinishReason, Request, SamplingParams, Sequence
 from chatcore.engine.runner import ModelRunner
-from chatcore.engine.sampler import make_generator, sample_rows
+from chatcore.engine.sampler import beam_candidates, make_generator, sample
 from chatcore.engine.scheduler import ScheduledSeq, Scheduler, StepPlan
 from chatcore.kv.sizing import device_pool_bytes
 from chatcore.kv.tensors import KVTensors
-from chatcore.models.loader import DTYPES, LoadedModel
+from chatcore.models.device import DTYPES
+from chatcore.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ def pool_size(settings: Settings, loaded: LoadedModel) -> int:
         return settings.num_blocks
     per_block = KVTensors.bytes_per_block(loaded.num_layers, settings.block_size, loaded.num_kv_heads,
                                           loaded.head_dim, kv_storage_dtype(settings, loaded))
-    return max(16, device_pool_bytes(settings.kv_cache_gb) // per_block)
+    budget = device_pool_bytes(settings.kv_cache_gb, loaded.device, settings.gpu_memory_fraction)
+    return max(16, budget // per_block)
 
 
 def depth_cost(loaded: LoadedModel, block_size: int) -> float:
@@ -62,7 +64,7 @@ class EngineCore:
                               eviction=settings.eviction_policy,
                               depth_cost=depth_cost(loaded, settings.block_size))
         self.kv = KVTensors(loaded.num_layers, num_blocks, settings.block_size, loaded.num_kv_heads,
-                            loaded.head_dim, kv_storage_dtype(settings, loaded))
+                            loaded.head_dim, kv_storage_dtype(settings, loaded), loaded.device)
         self.scheduler = Scheduler(self.pool, max_batch_tokens=settings.max_batch_tokens,
                                    max_num_seqs=settings.max_num_seqs, max_queue_wait_s=settings.max_queue_wait_s,
                                    max_context=loaded.max_context,
@@ -176,21 +178,24 @@ class EngineCore:
 
     def _sample(self, plan: StepPlan, entries: list[ScheduledSeq], logits: torch.Tensor,
                 outputs: dict[str, RequestOutput]) -> None:
+        """Choose every sampling row's token on the device, then bring all choices (and beam
+        search's candidates) to the host in the step's one download."""
         rows: dict[int, int] = {}
         for entry in entries:
             if entry.samples:
                 rows[id(entry.seq)] = len(rows)
+        num_rows = len(rows)  # forks added below share their parent's row
         by_request: dict[str, list[ScheduledSeq]] = {}
         for entry in entries:
             if entry.samples:
                 by_request.setdefault(entry.req.request_id, []).append(entry)
         now = time.monotonic()
-        plain_rows: list[int] = []
-        plain: list[tuple[Request, Sequence]] = []
+        plain: list[tuple[Request, Sequence, int]] = []
+        beams: list[tuple[Request, list[int]]] = []
         for group in by_request.values():
             req = group[0].req
             if req.params.beam_width > 1:
-                self._beam_step(req, logits[[rows[id(e.seq)] for e in group]], outputs)
+                beams.append((req, [rows[id(e.seq)] for e in group]))
                 continue
             if not req.forked:
                 req.forked = True
@@ -203,15 +208,33 @@ class EngineCore:
                     req.seqs.append(fork)
                     group.append(ScheduledSeq(req, fork, 0, 0, [], []))
                     rows[id(fork)] = rows[id(seq0)]
-            for entry in group:
-                plain_rows.append(rows[id(entry.seq)])
-                plain.append((req, entry.seq))
-        if plain:
-            params = [r.params for r, _ in plain]
-            gens = [self._generator(r, s) for r, s in plain]
-            tokens = sample_rows(logits[plain_rows], params, gens)
-            for (req, seq), token in zip(plain, tokens, strict=True):
-                self._append_token(req, seq, token, now, outputs)
+            plain.extend((req, entry.seq, rows[id(entry.seq)]) for entry in group)
+        drawn = [sample(logits[row], req.params, self._generator(req, seq))
+                 for req, seq, row in plain if not req.params.greedy]
+        parts = [logits.argmax(dim=-1)]
+        if drawn:
+            parts.append(torch.stack(drawn))
+        candidates = [beam_candidates(torch.stack([logits[r] for r in beam_rows]), self._beam(req).candidates)
+                      for req, beam_rows in beams]
+        for values, ids in candidates:
+            parts += [values.flatten(), ids.flatten()]
+        host = self.runner.transfers.download(torch.cat([p.double() for p in parts]))
+        at = num_rows + len(drawn)  # the layout: argmax of every row, drawn tokens, each beam's candidates
+        for (req, beam_rows), (values, _) in zip(beams, candidates, strict=True):
+            width = values.shape[1]
+            size = len(beam_rows) * width
+            flat_values, flat_ids = host[at: at + size], host[at + size: at + 2 * size]
+            at += 2 * size
+            self._beam_step(req, [flat_values[i: i + width] for i in range(0, size, width)],
+                            [[int(t) for t in flat_ids[i: i + width]] for i in range(0, size, width)], outputs)
+        drawn_at = num_rows
+        for req, seq, row in plain:
+            if req.params.greedy:
+                token = int(host[row])
+            else:
+                token = int(host[drawn_at])
+                drawn_at += 1
+            self._append_token(req, seq, token, now, outputs)
         for req in {id(e.req): e.req for e in entries}.values():
             if not req.finished and not req.live_seqs:
                 outputs[req.request_id] = self._merge(outputs.get(req.request_id), self._finish(req))
@@ -221,7 +244,7 @@ class EngineCore:
             return None
         key = id(seq)
         if key not in self._generators:
-            self._generators[key] = make_generator(req.params.seed, seq.index)
+            self._generators[key] = make_generator(req.params.seed, seq.index, self.loaded.device)
         return self._generators[key]
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
@@ -252,14 +275,19 @@ class EngineCore:
         out = outputs.setdefault(req.request_id, RequestOutput(req.request_id))
         out.deltas.append(SeqDelta(seq.index, [token], text))
 
-    def _beam_step(self, req: Request, logits: torch.Tensor, outputs: dict[str, RequestOutput]) -> None:
+    def _beam(self, req: Request) -> BeamSearch:
         search = self._beams.get(req.request_id)
         if search is None:
             search = self._beams[req.request_id] = BeamSearch(
                 req.params.beam_width, req.params.length_penalty, req.params.max_tokens,
                 self._stop_ids(req.params))
+        return search
+
+    def _beam_step(self, req: Request, values: list[list[float]], ids: list[list[int]],
+                   outputs: dict[str, RequestOutput]) -> None:
+        search = self._beam(req)
         beams = req.live_seqs
-        choices = search.step(logits, [s.cum_logprob for s in beams], [s.output_ids for s in beams])
+        choices = search.step(values, ids, [s.cum_logprob for s in beams], [s.output_ids for s in beams])
         if req.first_token is None:
             req.first_token = time.monotonic()
         snapshots = [list(s.tokens) for s in beams]

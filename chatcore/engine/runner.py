@@ -3,25 +3,52 @@
 The packed row holds the decode tokens first (one per sequence), then the prefill chunks.
 Positions restart for each sequence, so RoPE sees each token's true position. Only the rows
 whose logits are needed (the last token of each sequence that samples) reach the LM head.
+
+All of the step's integer metadata (block copies, token ids, positions, slots, sampled rows,
+block tables, context lengths, prefill starts and scatter) is packed on the host into one int32
+array and crosses to the device in one upload (`StepTransfers`); the tensors the model and the
+kernels take are views and casts of it made on the device.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from chatcore.engine.scheduler import ScheduledSeq, StepPlan
+from chatcore.engine.transfers import StepTransfers
 from chatcore.kv.tensors import KVTensors
 from chatcore.models.loader import LoadedModel
 from chatcore.models.paged_attention import PrefillMeta, StepMeta
 
 
-def _block_table_tensor(entries: list[ScheduledSeq], num_blocks: int) -> torch.Tensor:
-    """[len(entries), num_blocks] int32; padding holds block 0, never read past a context."""
-    rows = [e.seq.table.block_ids[:num_blocks] for e in entries]  # type: ignore[union-attr]
-    out = torch.zeros(len(rows), num_blocks, dtype=torch.int32)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+def _block_tables(entries: list[ScheduledSeq], width: int) -> np.ndarray:
+    """[len(entries), width] int32; padding holds block 0, never read past a context."""
+    out = np.zeros((len(entries), width), dtype=np.int32)
+    for i, entry in enumerate(entries):
+        row = entry.seq.table.block_ids[:width]  # type: ignore[union-attr]
+        out[i, : len(row)] = row
     return out
+
+
+class _Packer:
+    """Host arrays appended in order; `take` hands back each one's slice of the uploaded tensor."""
+
+    def __init__(self) -> None:
+        self.parts: list[np.ndarray] = []
+        self.offsets: list[int] = [0]
+
+    def add(self, values: np.ndarray | list[int]) -> int:
+        array = np.asarray(values, dtype=np.int32).reshape(-1)
+        self.parts.append(array)
+        self.offsets.append(self.offsets[-1] + array.size)
+        return len(self.parts) - 1
+
+    def packed(self) -> np.ndarray:
+        return np.concatenate(self.parts) if self.parts else np.zeros(0, dtype=np.int32)
+
+    def take(self, device_values: torch.Tensor, index: int) -> torch.Tensor:
+        return device_values[self.offsets[index]: self.offsets[index + 1]]
 
 
 class ModelRunner:
@@ -30,52 +57,71 @@ class ModelRunner:
         self.model = loaded.model
         self.kv = kv
         self.block_size = kv.block_size
-
-    def _prefill_meta(self, entries: list[ScheduledSeq]) -> PrefillMeta:
-        bs = self.block_size
-        starts = [e.start for e in entries]
-        q_lens = [e.num_tokens for e in entries]
-        ctx_lens = [s + q for s, q in zip(starts, q_lens, strict=True)]
-        max_q, max_ctx = max(q_lens), max(ctx_lens)
-        tables = _block_table_tensor(entries, -(-max_ctx // bs))
-        if len(entries) == 1 and starts[0] == 0:
-            return PrefillMeta(tables, None, None, 1, max_q, max_ctx)
-        q_pos = torch.tensor(starts).unsqueeze(1) + torch.arange(max_q).unsqueeze(0)
-        mask = (torch.arange(max_ctx).view(1, 1, -1) <= q_pos.unsqueeze(2)).unsqueeze(1)
-        scatter = None
-        if len(entries) > 1:
-            scatter = torch.cat([torch.arange(q) + i * max_q for i, q in enumerate(q_lens)])
-        return PrefillMeta(tables, mask, scatter, len(entries), max_q, max_ctx,
-                           start=starts[0] if len(entries) == 1 else 0)
+        self.device = loaded.device
+        self.transfers = StepTransfers(loaded.device)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Run the step; returns float32 logits for each entry that samples, in plan order."""
-        self.kv.copy_blocks(plan.copies)
+        """Run the step; returns float32 logits on the device for each entry that samples, in plan order."""
+        bs = self.block_size
+        pack = _Packer()
+        copies = plan.copies
+        copy_src = pack.add([c[0] for c in copies])
+        copy_dst = pack.add([c[1] for c in copies])
         entries = plan.decode + plan.prefill
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
         for entry in entries:
-            ids.extend(entry.seq.tokens[entry.start: entry.start + entry.num_tokens])
-            positions.extend(range(entry.start, entry.start + entry.num_tokens))
+            end = entry.start + entry.num_tokens
+            ids.extend(entry.seq.tokens[entry.start: end])
+            positions.extend(range(entry.start, end))
             slots.extend(entry.slots)
             if entry.samples:
                 sample_rows.append(len(ids) - 1)
+        ids_at, positions_at, slots_at, rows_at = pack.add(ids), pack.add(positions), pack.add(slots), pack.add(sample_rows)
         decode = plan.decode
+        decode_width = max(-(-(e.start + 1) // bs) for e in decode) if decode else 0
+        decode_tables = pack.add(_block_tables(decode, decode_width))
+        decode_lens = pack.add([e.start + 1 for e in decode])
+        prefill = plan.prefill
+        starts = [e.start for e in prefill]
+        q_lens = [e.num_tokens for e in prefill]
+        max_q = max(q_lens, default=0)
+        max_ctx = max((s + q for s, q in zip(starts, q_lens, strict=True)), default=0)
+        prefill_tables = pack.add(_block_tables(prefill, -(-max_ctx // bs)))
+        prefill_starts = pack.add(starts)
+        scatter = pack.add(np.concatenate([np.arange(q) + i * max_q for i, q in enumerate(q_lens)])
+                           if len(prefill) > 1 else [])
+
+        values = self.transfers.upload(pack.packed())
+
+        def long(index: int) -> torch.Tensor:
+            return pack.take(values, index).long()
+
+        if copies:
+            self.kv.copy_blocks(long(copy_src), long(copy_dst))
         meta = StepMeta(
             kv=self.kv,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            slot_mapping=long(slots_at),
             num_decode=len(decode),
-            decode_block_tables=_block_table_tensor(decode, max(-(-(e.start + 1) // self.block_size)
-                                                                for e in decode)) if decode else None,
-            decode_context_lens=torch.tensor([e.start + 1 for e in decode], dtype=torch.int32) if decode else None,
-            prefill=self._prefill_meta(plan.prefill) if plan.prefill else None,
+            decode_block_tables=pack.take(values, decode_tables).view(len(decode), decode_width) if decode else None,
+            decode_context_lens=pack.take(values, decode_lens) if decode else None,
+            prefill=self._prefill_meta(pack.take(values, prefill_tables).view(len(prefill), -1),
+                                       pack.take(values, prefill_starts), long(scatter), starts, max_q, max_ctx)
+            if prefill else None,
         )
-        input_ids = torch.tensor(ids, dtype=torch.int64).unsqueeze(0)
-        position_ids = torch.tensor(positions, dtype=torch.int64).unsqueeze(0)
-        hidden = self.model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                  chatcore_step=meta).last_hidden_state
-        rows = hidden[0, torch.tensor(sample_rows, dtype=torch.int64)]
-        return self.model.lm_head(rows).float()
+        hidden = self.model.model(input_ids=long(ids_at).unsqueeze(0), position_ids=long(positions_at).unsqueeze(0),
+                                  use_cache=False, chatcore_step=meta).last_hidden_state
+        return self.model.lm_head(hidden[0, long(rows_at)]).float()
+
+    def _prefill_meta(self, tables: torch.Tensor, starts: torch.Tensor, scatter: torch.Tensor, host_starts: list[int],
+                      max_q: int, max_ctx: int) -> PrefillMeta:
+        count = len(host_starts)
+        if count == 1 and host_starts[0] == 0:
+            return PrefillMeta(tables, None, None, 1, max_q, max_ctx)
+        q_pos = starts.unsqueeze(1) + torch.arange(max_q, device=self.device).unsqueeze(0)
+        mask = (torch.arange(max_ctx, device=self.device).view(1, 1, -1) <= q_pos.unsqueeze(2)).unsqueeze(1)
+        return PrefillMeta(tables, mask, scatter if count > 1 else None, count, max_q, max_ctx,
+                           start=host_starts[0] if count == 1 else 0)

@@ -1,7 +1,9 @@
-"""Token selection: greedy, or temperature with top-k and top-p, with per-sequence generators.
+"""Token selection on the device: greedy, or temperature with top-k and top-p, with
+per-sequence generators; beam search's candidates. Nothing here reads device data back: the
+engine downloads what these return in its step's one copy (`StepTransfers.download`).
 
-A request's `seed` seeds one generator per sample index, so the same seed gives the same
-samples whatever else shares the batch.
+A request's `seed` seeds one generator per sample index (on the engine's device), so the same
+seed gives the same samples whatever else shares the batch.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import torch
 from chatcore.engine.request import SamplingParams
 
 
-def make_generator(seed: int | None, index: int) -> torch.Generator:
-    generator = torch.Generator()
+def make_generator(seed: int | None, index: int, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
     base = seed if seed is not None else secrets.randbits(62)
     generator.manual_seed((base * 1_000_003 + index) % (1 << 63))
     return generator
@@ -36,15 +38,13 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return scaled
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of `logits` [N, vocab] (float32)."""
-    greedy = logits.argmax(dim=-1).tolist()
-    out: list[int] = []
-    for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
-        if p.greedy:
-            out.append(int(greedy[row]))
-            continue
-        probs = torch.softmax(filter_logits(logits[row], p), dim=-1)
-        out.append(int(torch.multinomial(probs, 1, generator=generator).item()))
-    return out
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id (a 0-d tensor on the device) from one row of float32 logits."""
+    probs = torch.softmax(filter_logits(logits, params), dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[0]
+
+
+def beam_candidates(logits: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each beam row's `count` best log-probs and their token ids, [beams, count] each."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    return torch.topk(log_probs, min(count, log_probs.shape[-1]), dim=-1)

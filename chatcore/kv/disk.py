@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
+from chatcore.models.device import DTYPES
+
 log = logging.getLogger(__name__)
 MAGIC = b"CCKV\x01\n"
 HEX_NAME = re.compile(r"[0-9a-f]{32}")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,9 @@
 """How big each KV tier is: `auto` budgets from the machine, and what a budget holds.
 
 * The device pool (`kv_cache_gb=auto`): on the CPU, `CPU_RAM_SHARE` of the memory available
-  when the server starts (MemAvailable: free plus reclaimable page cache).
+  when the server starts (MemAvailable: free plus reclaimable page cache); on CUDA,
+  `gpu_memory_fraction` of the GPU memory free once the model is loaded (the rest is left to
+  the step's activations and the allocator).
 * The disk tier (`kv_disk_gb=auto`): `DISK_SHARE` of the free space on the filesystem that
   holds `kv_disk_dir`, at least `DISK_FLOOR_BYTES` (never more than half the free space) and
   at most `DISK_CAP_BYTES`.
@@ -14,6 +16,8 @@ import os
 import shutil
 from pathlib import Path
 from typing import Any
+
+import torch
 
 CPU_RAM_SHARE = 0.25
 DISK_SHARE = 0.20
@@ -34,9 +38,12 @@ def available_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def device_pool_bytes(kv_cache_gb: float | str) -> int:
+def device_pool_bytes(kv_cache_gb: float | str, device: torch.device, gpu_memory_fraction: float) -> int:
     if kv_cache_gb != "auto":
         return int(float(kv_cache_gb) * (1 << 30))
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(gpu_memory_fraction * free)
     return int(CPU_RAM_SHARE * available_ram_bytes())
 
 

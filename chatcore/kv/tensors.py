@@ -8,8 +8,6 @@ the same index in every layer, so the bookkeeping in `chatcore.cache` maps strai
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 
@@ -39,19 +37,15 @@ class KVTensors:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.data[index, 0], self.data[index, 1]
 
-    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy-on-write: copy block src to dst in every layer."""
-        if not pairs:
-            return
-        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.data.device)
-        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.data.device)
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy-on-write: copy blocks src[i] -> dst[i] (int64 on the pool's device) in every layer."""
         for index in range(self.num_layers):
             key_cache, value_cache = self.layer(index)
             kernels.copy_blocks(key_cache, value_cache, src, dst)
 
     def read_block(self, block_id: int) -> torch.Tensor:
-        """A copy of one block across all layers: [layers, 2, block_size, kv_heads, head_dim]."""
-        return self.data[:, :, block_id].clone()
+        """A host copy of one block across all layers: [layers, 2, block_size, kv_heads, head_dim]."""
+        return self.data[:, :, block_id].to("cpu", copy=True)
 
     def write_block(self, block_id: int, block: torch.Tensor) -> None:
         self.data[:, :, block_id].copy_(block)

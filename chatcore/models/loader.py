@@ -18,8 +18,8 @@ import torch
 
 from chatcore.config import DEFAULT_MODEL, Settings
 from chatcore.models import paged_attention
+from chatcore.models.device import resolve_device, resolve_dtype
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FINGERPRINT_HEAD_BYTES = 1 << 20
 
 
@@ -30,6 +30,7 @@ class LoadedModel:
     path: Path
     fingerprint: str
     dtype: torch.dtype
+    device: torch.device
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -51,23 +52,6 @@ def resolve_model_path(settings: Settings) -> Path:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
     return path
-
-
-def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
-    """`auto` is bfloat16 where the CPU has native bf16 matmuls (measured faster), else float32."""
-    if name != "auto":
-        return DTYPES[name]
-    if device != "cpu":
-        return torch.bfloat16
-    return torch.bfloat16 if _cpu_has_bf16() else torch.float32
-
-
-def _cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def model_fingerprint(path: Path) -> str:
@@ -98,9 +82,11 @@ def _stop_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def load_model(settings: Settings, device: str = "cpu") -> LoadedModel:
+def load_model(settings: Settings) -> LoadedModel:
+    """The model on `settings.device`; raises `DeviceUnavailable` before reading any weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    device = resolve_device(settings.device)
     path = resolve_model_path(settings)
     dtype = resolve_dtype(settings.dtype, device)
     name = paged_attention.register()
@@ -117,6 +103,7 @@ def load_model(settings: Settings, device: str = "cpu") -> LoadedModel:
         path=path,
         fingerprint=model_fingerprint(path),
         dtype=dtype,
+        device=device,
         num_layers=config.num_hidden_layers,
         num_heads=heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
