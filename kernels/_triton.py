@@ -13,7 +13,11 @@ of a kernel"). So our kernels:
 - call only Triton builtins, which the interpreter patches in at every launch, plus
   `tl.reduce` with the combine functions below. Those are compiled-mode `JITFunction`s, which
   the compiler needs, and the interpreter calls them as plain Python (`.fn`), whatever mode
-  triton was imported in.
+  triton was imported in. Where triton's own `_elementwise_max` and `_sum_combine` are
+  compiled-mode (triton imported without the interpreter, the usual case), they are the ones:
+  the interpreter recognises them and reduces with numpy, where any other combine function is
+  applied element by element in Python, ~100x slower (what lets the engine run its decode
+  steps through the interpreter in a test).
 """
 
 from __future__ import annotations
@@ -61,5 +65,9 @@ def _add(a, b):
     return a + b
 
 
-max_combine = JITFunction(_max)
-sum_combine = JITFunction(_add)
+def _compiled(library: object, fallback: Callable[..., Any]) -> JITFunction:
+    return library if isinstance(library, JITFunction) else JITFunction(fallback)
+
+
+max_combine = _compiled(tl.standard._elementwise_max, _max)
+sum_combine = _compiled(tl.standard._sum_combine, _add)

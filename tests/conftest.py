@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite compares against transformers on the CPU, also on a machine with a GPU (whose
+# `device=auto` would pick it); `make gpu-check` runs the CUDA checks (bench/gpu_check.py).
+os.environ.setdefault("CHATCORE_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session")

@@ -111,7 +111,7 @@ class _Scratch(threading.local):
         numel = math.prod(shape)
         buffer = self.buffers.get(key)
         if buffer is None or buffer.numel() < numel:
-            buffer = self.buffers[key] = torch.empty(numel, dtype=dtype)
+            buffer = self.buffers[key] = torch.empty(numel, dtype=dtype, device="cpu")
         return buffer[:numel].view(shape)
 
 
@@ -139,7 +139,7 @@ def _continuation_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cach
     scores = torch.bmm(rows, keys.permute(1, 2, 0), out=_scratch.take("scores", shape, q.dtype))
     if q.dtype != torch.float32:
         scores = _scratch.take("scores32", shape, torch.float32).copy_(scores)
-    future = torch.ones(tokens, tokens, dtype=torch.bool).triu_(1)
+    future = torch.ones(tokens, tokens, dtype=torch.bool, device=q.device).triu_(1)
     scores.view(kv_heads, group, tokens, length)[..., start:].masked_fill_(future, float("-inf"))
     probs = torch.ops.aten._softmax.out(scores, -1, False, out=_scratch.take("probs", shape, torch.float32))
     if q.dtype != torch.float32:
