@@ -6,15 +6,18 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# The torch to install. On a GPU machine, a CUDA build, e.g.
+# make gpu-check TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+TORCH ?= torch==2.13.0
 
-.PHONY: setup serve test stress chromium services model bench clean
+.PHONY: setup serve test stress chromium services model bench gpu-check clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(VENV)/bin/python
 	$(PIP) install --upgrade pip
-	$(PIP) install torch==2.13.0
+	$(PIP) install $(TORCH)
 	$(PIP) install -e '.[dev]'
 	touch $(STAMP)
 
@@ -56,6 +59,10 @@ stress: setup
 
 bench: setup
 	$(VENV)/bin/chatcore bench --suite all
+
+# The checks that need a CUDA GPU (bench/gpu_check.py); one line and exit 0 where there is none.
+gpu-check: $(STAMP)
+	$(PY) -m bench.gpu_check --out bench/results/gpu-check.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

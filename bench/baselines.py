@@ -65,7 +65,7 @@ def greedy_config(model: Any, max_new_tokens: int, pad_token_id: int | None = No
 @torch.inference_mode()
 def hf_one(model: Any, prompt: list[int], max_new_tokens: int) -> tuple[int, float, float]:
     """One request through `generate`: (new tokens, TTFT s, total s)."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     clock = FirstTokenClock()
     t0 = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=greedy_config(model, max_new_tokens),
@@ -103,6 +103,7 @@ def hf_static(model: Any, prompts: list[list[int]], max_new_tokens: int, pad_tok
         mask[i, width - len(p):] = 1
     clock = FirstTokenClock()
     t0 = time.perf_counter()
+    ids, mask = ids.to(model.device), mask.to(model.device)
     out = model.generate(ids, attention_mask=mask, generation_config=greedy_config(model, max_new_tokens, pad_token_id),
                          stopping_criteria=StoppingCriteriaList([clock]))
     wall = time.perf_counter() - t0

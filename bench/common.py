@@ -185,7 +185,7 @@ class Context:
             from transformers import AutoModelForCausalLM
 
             self._hf = AutoModelForCausalLM.from_pretrained(self.loaded.path, dtype=self.loaded.dtype,
-                                                            attn_implementation="sdpa").eval()
+                                                            attn_implementation="sdpa").to(self.loaded.device).eval()
         return self._hf
 
     @property
@@ -195,7 +195,11 @@ class Context:
     def machine(self) -> dict[str, Any]:
         import transformers
 
+        from chatcore.models.device import resolve_device
+
+        device = resolve_device(self.settings.device)
         return {
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "cpu": cpu_model(),
             "cores": os.cpu_count(),
             "cpu_flags": cpu_flags(),
@@ -222,24 +226,33 @@ def num_params(model: Any) -> int:
     return total
 
 
-def gemm_flops(dtype: torch.dtype, m: int, k: int, n: int, reps: int = 20) -> float:
-    """FLOP/s of a torch matmul [m, k] x [k, n] on this CPU: the best of `reps` samples after a
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gemm_flops(dtype: torch.dtype, m: int, k: int, n: int, reps: int = 20,
+               device: torch.device = torch.device("cpu")) -> float:
+    """FLOP/s of a torch matmul [m, k] x [k, n] on the device: the best of `reps` samples after a
     warm-up (a ceiling is what the hardware can do; this VM's rate drifts by +-20% over minutes)."""
-    a = torch.randn(m, k).to(dtype)
-    b = torch.randn(k, n).to(dtype)
+    a = torch.randn(m, k).to(device, dtype)
+    b = torch.randn(k, n).to(device, dtype)
     inner = max(1, int(2e8 // (2 * m * k * n)))  # ~0.2 GFLOP per sample
     for _ in range(3):
         torch.mm(a, b)
     samples = []
     for _ in range(reps):
+        _sync(device)
         t0 = time.perf_counter()
         for _ in range(inner):
             torch.mm(a, b)
+        _sync(device)
         samples.append((time.perf_counter() - t0) / inner)
     return 2 * m * k * n / min(samples)
 
 
-def model_gemm_seconds(config: Any, dtype: torch.dtype, rows: int, reps: int = 5) -> float:
+def model_gemm_seconds(config: Any, dtype: torch.dtype, rows: int, reps: int = 5,
+                       device: torch.device = torch.device("cpu")) -> float:
     """Seconds for every matmul of one forward step over `rows` tokens, with distinct weights per
     layer (as in the model: they stream from memory, they do not sit in cache), LM head included.
     The best of `reps` steps (a ceiling)."""
@@ -249,9 +262,9 @@ def model_gemm_seconds(config: Any, dtype: torch.dtype, rows: int, reps: int = 5
     kv = config.num_key_value_heads * head_dim
     shapes = [(hidden, heads * head_dim), (hidden, kv), (hidden, kv), (heads * head_dim, hidden),
               (hidden, inter), (hidden, inter), (inter, hidden)]
-    weights = [[torch.randn(k, n).to(dtype) for k, n in shapes] for _ in range(layers)]
-    head = torch.randn(hidden, config.vocab_size).to(dtype)
-    inputs = {k: torch.randn(rows, k).to(dtype) for k in {k for k, _ in shapes} | {hidden}}
+    weights = [[torch.randn(k, n).to(device, dtype) for k, n in shapes] for _ in range(layers)]
+    head = torch.randn(hidden, config.vocab_size).to(device, dtype)
+    inputs = {k: torch.randn(rows, k).to(device, dtype) for k in {k for k, _ in shapes} | {hidden}}
 
     def step() -> None:
         for layer in weights:
@@ -262,7 +275,9 @@ def model_gemm_seconds(config: Any, dtype: torch.dtype, rows: int, reps: int = 5
     step()
     samples = []
     for _ in range(reps):
+        _sync(device)
         t0 = time.perf_counter()
         step()
+        _sync(device)
         samples.append(time.perf_counter() - t0)
     return min(samples)

@@ -87,9 +87,10 @@ def run(ctx: Context) -> dict[str, Any]:
                 f"static batch, generate_batch ({len(prompts)} requests x {new} tokens)")
         runs["chatcore"].append(run_batch(core, prompts, params))
         # The ceilings, right after chatcore's run: this VM's GEMM rate drifts by +-25% over minutes.
-        gemms.append(gemm_flops(ctx.dtype, sz["requests"], 576, 1536, reps=5 if ctx.quick or ctx.tiny else 30))
+        gemms.append(gemm_flops(ctx.dtype, sz["requests"], 576, 1536, reps=5 if ctx.quick or ctx.tiny else 30,
+                                device=ctx.loaded.device))
         steps.append(model_gemm_seconds(ctx.hf_model.config, ctx.dtype, sz["requests"],
-                                        reps=2 if ctx.quick or ctx.tiny else 5))
+                                        reps=2 if ctx.quick or ctx.tiny else 5, device=ctx.loaded.device))
         runs["hf_sequential"].append(baselines.hf_sequential(model, seq_prompts, new))
         runs["hf_static"].append(baselines.hf_static(model, prompts, new, pad))
         if cb_error is None:

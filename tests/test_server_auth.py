@@ -211,6 +211,9 @@ def test_admin_routes_need_an_admin_key(keyed) -> None:
         assert_error(call(keyed, "GET", "/v1/admin/cache", headers=bearer(keyed.keys[tenant])), 401, "unauthorized")
     resp = call(keyed, "GET", "/v1/admin/cache", headers=bearer(keyed.admin_key))
     assert resp.status_code == 200 and resp.json()["audit"]["ok"]
+    pool = resp.json()["tiers"]["device"]  # the engine's device, dtype and pool size, as the startup line says
+    assert pool["device"] == "cpu" and pool["model_dtype"] in ("float32", "bfloat16") and pool["blocks"] > 0
+    assert f"on cpu in {pool['model_dtype']}; KV tiers: device pool" in keyed.log()
 
 
 # ----- cache scope ---------------------------------------------------------------------------------

@@ -66,7 +66,8 @@ class Services:
             disk = DiskTier(settings.resolved_kv_disk_dir, loaded.fingerprint, disk_bytes, sessionmaker)
             await disk.sweep()  # what a crash left behind, before the budget counts files
         tiers = kv_tiers(engine, disk_bytes)
-        log.info("KV tiers: %s; %s", describe("device pool", tiers["device"]),
+        log.info("engine: %s on %s in %s; KV tiers: %s; %s", loaded.path.name, loaded.device, loaded.dtype_name,
+                 describe("device pool", tiers["device"]),
                  describe("disk tier", tiers["disk"]) if tiers["disk"] else "no disk tier")
         manager = SessionManager(engine, sessionmaker, settings, metrics, disk)
         interrupted = await manager.mark_interrupted()
@@ -100,6 +101,7 @@ def kv_tiers(engine: AsyncEngine, disk_bytes: int) -> dict[str, Any]:
     loaded = core.loaded
     per_token = KVTensors.bytes_per_block(loaded.num_layers, 1, loaded.num_kv_heads, loaded.head_dim, core.kv.dtype)
     per_block = per_token * core.pool.block_size
-    device = {"dtype": str(core.kv.dtype).removeprefix("torch."), "blocks": core.pool.num_blocks,
+    device = {"device": str(loaded.device), "model_dtype": loaded.dtype_name,
+              "dtype": str(core.kv.dtype).removeprefix("torch."), "blocks": core.pool.num_blocks,
               **holds(core.pool.num_blocks * per_block, per_token)}
     return {"device": device, "disk": holds(disk_bytes, per_token) if disk_bytes > 0 else None}
