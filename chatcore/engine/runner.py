@@ -63,6 +63,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Run the step; returns float32 logits on the device for each entry that samples, in plan order."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # per thread: Triton launches on the current device
         bs = self.block_size
         pack = _Packer()
         copies = plan.copies
