@@ -113,6 +113,7 @@ def hf_static(model: Any, prompts: list[list[int]], max_new_tokens: int, pad_tok
     return BatchRun(wall, len(prompts) * new, [clock.first - t0] * len(prompts), decode_tok_s=decode)
 
 
+@torch.inference_mode()
 def hf_continuous(model: Any, prompts: list[list[int]], max_new_tokens: int, *, page_size: int = 32,
                   num_blocks: int = 512, max_batch_tokens: int = 512, sharing: bool = True) -> BatchRun:
     """transformers' continuous batching (`generate_batch`), with prefix sharing where it supports it."""

@@ -22,14 +22,16 @@ def chat_prompts(tokenizer: Any, system: str | None, users: list[str]) -> list[l
 
 
 def run_batch(core: EngineCore, prompts: list[list[int]], params: SamplingParams,
-              scope_key: str | None = None) -> BatchRun:
-    """Add every prompt at t=0, step until done. A fresh `scope_key` means a cold prefix cache."""
+              scope_key: str | None = None, share: bool = True) -> BatchRun:
+    """Add every prompt at t=0, step until done. A fresh `scope_key` means a cold prefix cache;
+    `share=False` gives each request a cache scope of its own, so none reuses another's blocks."""
     scope = scope_key or f"bench-{uuid.uuid4().hex}"
     plans: list[StepPlan] = []
     hook = plans.append
     core.on_step.append(hook)
     try:
-        requests = [core.make_request(p, params, scope_key=scope) for p in prompts]
+        requests = [core.make_request(p, params, scope_key=scope if share else f"{scope}/{i}")
+                    for i, p in enumerate(prompts)]
         t0 = time.perf_counter()
         for req in requests:
             req.arrival = time.monotonic()

@@ -53,25 +53,31 @@ def markdown_table(data: dict[str, Any]) -> str:
     if thr:
         lines += ["", "| system (throughput suite) | output tok/s | mean TTFT from arrival (s) | decode tok/s |",
                   "|---|---|---|---|"]
-        names = {"chatcore": "chatcore (in-process engine)", "hf_sequential": "transformers `generate`, one at a time",
+        names = {"chatcore": "chatcore (in-process engine), prefix sharing",
+                 "chatcore_no_sharing": "chatcore, each request in its own cache scope (no sharing)",
+                 "hf_sequential": "transformers `generate`, one at a time",
                  "hf_static": "transformers static batched `generate`",
                  "hf_generate_batch": "transformers `generate_batch` (CB, sharing)"}
         for key, label in names.items():
             s = thr.get(key, {})
             lines.append(f"| {label} | {_num(s.get('tok_s'))} | {_num(s.get('ttft_mean_s'))} | "
                          f"{_num(s.get('decode_tok_s'))} |")
+        share = suites["throughput"].get("shared_fraction")
+        if share is not None:
+            lines.append(f"\nWorkload: {len(suites['throughput'].get('prompt_tokens', []))} chats; "
+                         f"{_num(share * 100)}% of each prompt is a shared prefix "
+                         f"({suites['throughput'].get('shared_prefix_tokens')} tokens).")
         lim = suites["throughput"].get("limit", {})
-        if lim:
+        if "streaming_gemm_ceiling_tok_s" in lim:
             lines.append("")
-            lines.append(f"Physical limit: chatcore's batched decode ({_num(thr['chatcore'].get('decode_tok_s'))} tok/s, "
-                         f"{_num(lim.get('chatcore_decode_flops', 0) / 1e9)} GFLOP/s of model FLOPs) reaches "
-                         f"{_num(lim.get('chatcore_decode_fraction', 0) * 100)}% of this CPU's measured GEMM rate "
+            lines.append(f"Decode efficiency: chatcore's full-batch decode ({_num(thr['chatcore'].get('decode_tok_s'))} "
+                         f"tok/s) reaches {_num(lim['chatcore_decode_fraction_of_streaming'] * 100)}% of the "
+                         f"{_num(lim['streaming_gemm_ceiling_tok_s'])} tok/s that one step's matmuls allow with the "
+                         f"weights streaming from memory ({_num(lim['streaming_gemm_step_ms'])} ms per step), the "
+                         f"bound for this batch; and {_num(lim.get('chatcore_decode_fraction', 0) * 100)}% of a GEMM "
+                         f"of the step's shape with its weights in cache "
                          f"({_num(lim.get('gemm_flops', 0) / 1e9)} GFLOP/s at "
-                         f"{'x'.join(str(d) for d in lim.get('gemm_shape', []))}, weights in cache)"
-                         + (f", and {_num(lim['chatcore_decode_fraction_of_streaming'] * 100)}% of the "
-                            f"{_num(lim['streaming_gemm_ceiling_tok_s'])} tok/s that one step's matmuls allow when "
-                            f"the weights stream from memory ({_num(lim['streaming_gemm_step_ms'])} ms per step)."
-                            if "streaming_gemm_ceiling_tok_s" in lim else "."))
+                         f"{'x'.join(str(d) for d in lim.get('gemm_shape', []))}).")
     lines += _sessions_table(suites.get("sessions", {}))
     for name, s in suites.items():
         if s.get("error"):

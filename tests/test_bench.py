@@ -87,12 +87,15 @@ def test_bench_all_quick_tiny(tmp_path: Path, default_model_dir: Path) -> None:
             assert {"name", "value", "op", "threshold", "met"} <= set(t)
         for plot in suite["plots"]:
             assert (tmp_path / plot).stat().st_size > 1000
-    assert len(data["targets"]) == 14
+    assert len(data["targets"]) == 17
     assert [t["name"] for t in data["targets"] if t["met"] is None] == [
         suites["hitrate"]["targets"][0]["name"], suites["memory"]["targets"][0]["name"]]  # reported, no verdict
     table = (tmp_path / "table.md").read_text()
-    assert table.count("\n| ") >= 14 and table.count("| reported |") == 2
+    assert table.count("\n| ") >= 17 and table.count("| reported |") == 2
     assert suites["throughput"]["systems"]["llama_cpp"]["skipped"]
+    throughput = suites["throughput"]
+    assert throughput["systems"]["chatcore_no_sharing"]["cached_tokens"] == 0 < throughput["systems"]["chatcore"]["cached_tokens"]
+    assert 0 < throughput["shared_fraction"] < 1 and "Decode efficiency" in table and "no sharing" in table
     assert suites["resume"]["rows"][0]["disk_cached_disk_tokens"] > 0
 
 
