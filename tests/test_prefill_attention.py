@@ -1,11 +1,14 @@
-"""Prefill attention over paged blocks: the CPU path for a chunk that continues cached tokens
-equals one masked attention over the gathered blocks."""
+"""Prefill attention over paged blocks: every path (a chunk that starts its sequence, one that
+continues cached tokens, on the CPU's continuation path or with a shifted mask, several chunks
+packed in one step) equals one masked attention over the sequence's gathered blocks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from chatcore.models import paged_attention
 from chatcore.models.paged_attention import PrefillMeta, _prefill_attention
 
 BLOCK = 16
@@ -21,50 +24,81 @@ def _case(start: int, tokens: int, heads: int, kv_heads: int, dtype: torch.dtype
     value_cache = torch.randn(pool, BLOCK, kv_heads, dim, generator=gen).to(dtype)
     table = torch.randperm(pool, generator=gen)[:num_blocks].to(torch.int32).unsqueeze(0)  # scattered blocks
     q = torch.randn(heads, tokens, dim, generator=gen).to(dtype).transpose(0, 1)  # [T, heads, D], strided
-    positions = start + torch.arange(tokens)
-    mask = (torch.arange(length).view(1, -1) <= positions.view(-1, 1)).view(1, 1, tokens, length)
-    masked = PrefillMeta(table, mask, None, 1, tokens, length)
-    continuation = PrefillMeta(table, mask, None, 1, tokens, length, start=start)
-    return q, key_cache, value_cache, masked, continuation
+    return q, key_cache, value_cache, table, PrefillMeta(table, (start,), (tokens,))
+
+
+def _masked(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, table: torch.Tensor, start: int,
+            scale: float) -> torch.Tensor:
+    """The oracle: one masked attention over the gathered blocks (float32 math on what is stored)."""
+    tokens, heads, _ = q.shape
+    length = start + tokens
+    keys = key_cache[table].flatten(0, 1)[:length].float()
+    values = value_cache[table].flatten(0, 1)[:length].float()
+    mask = torch.arange(length).view(1, -1) <= (start + torch.arange(tokens)).view(-1, 1)
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                                         attn_mask=mask, scale=scale, enable_gqa=heads != key_cache.shape[2])
+    return out.transpose(0, 1)
 
 
 @pytest.mark.parametrize("start, tokens", [(16, 1), (37, 5), (64, 64), (250, 122), (1, 30)])
 @pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4), (8, 2)])
-def test_continuation_equals_one_masked_attention(start: int, tokens: int, heads: int, kv_heads: int) -> None:
-    q, kc, vc, masked, continuation = _case(start, tokens, heads, kv_heads, torch.float32)
+def test_continuation_equals_one_masked_attention(start: int, tokens: int, heads: int, kv_heads: int,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    q, kc, vc, table, meta = _case(start, tokens, heads, kv_heads, torch.float32)
     scale = 64 ** -0.5
-    expected = _prefill_attention(q, kc, vc, masked, scale)
+    expected = _masked(q, kc, vc, table[0], start, scale)
     for _ in range(2):  # the second call reuses the score buffers
-        got = _prefill_attention(q, kc, vc, continuation, scale)
+        got = _prefill_attention(q, kc, vc, meta, scale)
         assert got.shape == expected.shape == (tokens, heads, 64)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(paged_attention, "CONTINUATION_MAX_SCORES", 0)  # the shifted-mask SDPA path
+    torch.testing.assert_close(_prefill_attention(q, kc, vc, meta, scale), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_chunks_packed_in_one_step_each_attend_over_their_own_blocks() -> None:
+    """Three chunks of different lengths, two starting their sequence and one continuing 40
+    cached tokens, in one packed row: each equals its own masked attention."""
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, dim, pool = 9, 3, 64, 40
+    key_cache = torch.randn(pool, BLOCK, kv_heads, dim, generator=gen)
+    value_cache = torch.randn(pool, BLOCK, kv_heads, dim, generator=gen)
+    starts, lens = (0, 40, 0), (70, 25, 9)
+    width = max(-(-(s + n) // BLOCK) for s, n in zip(starts, lens, strict=True))
+    tables = torch.randperm(pool, generator=gen)[: 3 * width].to(torch.int32).view(3, width)
+    q = torch.randn(sum(lens), heads, dim, generator=gen)
+    got = _prefill_attention(q, key_cache, value_cache, PrefillMeta(tables, starts, lens), 0.125)
+    rows = torch.split(q, list(lens))
+    expected = torch.cat([_masked(r, key_cache, value_cache, tables[i], starts[i], 0.125) for i, r in enumerate(rows)])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_continuation_in_half_precision(dtype: torch.dtype) -> None:
-    q, kc, vc, masked, continuation = _case(200, 40, 9, 3, dtype, seed=1)
+    q, kc, vc, table, meta = _case(200, 40, 9, 3, dtype, seed=1)
     scale = 64 ** -0.5
-    expected = _prefill_attention(q.float(), kc.float(), vc.float(), masked, scale)
-    got = _prefill_attention(q, kc, vc, continuation, scale)
+    expected = _masked(q, kc, vc, table[0], 200, scale)
+    got = _prefill_attention(q, kc, vc, meta, scale)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 def test_a_result_never_aliases_the_reused_buffers() -> None:
-    q, kc, vc, _, continuation = _case(48, 8, 9, 3, torch.float32)
-    first = _prefill_attention(q, kc, vc, continuation, 0.125)
+    q, kc, vc, _, meta = _case(48, 8, 9, 3, torch.float32)
+    first = _prefill_attention(q, kc, vc, meta, 0.125)
     kept = first.clone()
-    q2, kc2, vc2, _, continuation2 = _case(48, 8, 9, 3, torch.float32, seed=5)
-    _prefill_attention(q2, kc2, vc2, continuation2, 0.125)
+    q2, kc2, vc2, _, meta2 = _case(48, 8, 9, 3, torch.float32, seed=5)
+    _prefill_attention(q2, kc2, vc2, meta2, 0.125)
     assert torch.equal(first, kept)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
 def test_a_narrower_cache_is_read_in_the_query_dtype(kv_dtype: torch.dtype) -> None:
     """kv_dtype: both prefill paths equal the fp32 computation over the stored (rounded) values."""
-    q, kc, vc, masked, continuation = _case(200, 40, 9, 3, torch.float32, seed=2)
+    q, kc, vc, table, _ = _case(200, 40, 9, 3, torch.float32, seed=2)
     narrow_k, narrow_v = kc.to(kv_dtype), vc.to(kv_dtype)
-    for meta in (masked, continuation):
-        got = _prefill_attention(q, narrow_k, narrow_v, meta, 0.125)
+    for start, tokens in ((200, 40), (0, 240)):
+        meta = PrefillMeta(table, (start,), (tokens,))
+        rows = q[:tokens] if tokens <= q.shape[0] else torch.cat([q] * 6)[:tokens]
+        got = _prefill_attention(rows, narrow_k, narrow_v, meta, 0.125)
         assert got.dtype == torch.float32
-        assert torch.equal(got, _prefill_attention(q, narrow_k.float(), narrow_v.float(), meta, 0.125))
+        assert torch.equal(got, _prefill_attention(rows, narrow_k.float(), narrow_v.float(), meta, 0.125))

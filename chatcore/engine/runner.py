@@ -5,7 +5,7 @@ Positions restart for each sequence, so RoPE sees each token's true position. On
 whose logits are needed (the last token of each sequence that samples) reach the LM head.
 
 All of the step's integer metadata (block copies, token ids, positions, slots, sampled rows,
-block tables, context lengths, prefill starts and scatter) is packed on the host into one int32
+block tables, context lengths) is packed on the host into one int32
 array and crosses to the device in one upload (`StepTransfers`); the tensors the model and the
 kernels take are views and casts of it made on the device.
 """
@@ -88,14 +88,8 @@ class ModelRunner:
         decode_tables = pack.add(_block_tables(decode, decode_width))
         decode_lens = pack.add([e.start + 1 for e in decode])
         prefill = plan.prefill
-        starts = [e.start for e in prefill]
-        q_lens = [e.num_tokens for e in prefill]
-        max_q = max(q_lens, default=0)
-        max_ctx = max((s + q for s, q in zip(starts, q_lens, strict=True)), default=0)
+        max_ctx = max((e.start + e.num_tokens for e in prefill), default=0)
         prefill_tables = pack.add(_block_tables(prefill, -(-max_ctx // bs)))
-        prefill_starts = pack.add(starts)
-        scatter = pack.add(np.concatenate([np.arange(q) + i * max_q for i, q in enumerate(q_lens)])
-                           if len(prefill) > 1 else [])
 
         values = self.transfers.upload(pack.packed())
 
@@ -110,20 +104,10 @@ class ModelRunner:
             num_decode=len(decode),
             decode_block_tables=pack.take(values, decode_tables).view(len(decode), decode_width) if decode else None,
             decode_context_lens=pack.take(values, decode_lens) if decode else None,
-            prefill=self._prefill_meta(pack.take(values, prefill_tables).view(len(prefill), -1),
-                                       pack.take(values, prefill_starts), long(scatter), starts, max_q, max_ctx)
+            prefill=PrefillMeta(pack.take(values, prefill_tables).view(len(prefill), -1),
+                                tuple(e.start for e in prefill), tuple(e.num_tokens for e in prefill))
             if prefill else None,
         )
         hidden = self.model.model(input_ids=long(ids_at).unsqueeze(0), position_ids=long(positions_at).unsqueeze(0),
                                   use_cache=False, chatcore_step=meta).last_hidden_state
         return self.model.lm_head(hidden[0, long(rows_at)]).float()
-
-    def _prefill_meta(self, tables: torch.Tensor, starts: torch.Tensor, scatter: torch.Tensor, host_starts: list[int],
-                      max_q: int, max_ctx: int) -> PrefillMeta:
-        count = len(host_starts)
-        if count == 1 and host_starts[0] == 0:
-            return PrefillMeta(tables, None, None, 1, max_q, max_ctx)
-        q_pos = starts.unsqueeze(1) + torch.arange(max_q, device=self.device).unsqueeze(0)
-        mask = (torch.arange(max_ctx, device=self.device).view(1, 1, -1) <= q_pos.unsqueeze(2)).unsqueeze(1)
-        return PrefillMeta(tables, mask, scatter if count > 1 else None, count, max_q, max_ctx,
-                           start=host_starts[0] if count == 1 else 0)
