@@ -198,16 +198,9 @@ class EngineCore:
                 beams.append((req, [rows[id(e.seq)] for e in group]))
                 continue
             if not req.forked:
-                req.forked = True
-                for child in range(1, req.params.n):
-                    seq0 = req.seqs[0]
-                    assert seq0.table is not None
-                    fork = Sequence(child, list(seq0.tokens), seq0.prompt_len,
-                                    table=seq0.table.fork(owner=f"{req.request_id}/{child}"),
-                                    num_computed=seq0.num_computed)
-                    req.seqs.append(fork)
-                    group.append(ScheduledSeq(req, fork, 0, 0, [], []))
-                    rows[id(fork)] = rows[id(seq0)]
+                forks = self._fork(req)
+                rows.update({id(f.seq): rows[id(req.seqs[0])] for f in forks})
+                group += forks
             plain.extend((req, entry.seq, rows[id(entry.seq)]) for entry in group)
         drawn = [sample(logits[row], req.params, self._generator(req, seq))
                  for req, seq, row in plain if not req.params.greedy]
@@ -238,6 +231,22 @@ class EngineCore:
         for req in {id(e.req): e.req for e in entries}.values():
             if not req.finished and not req.live_seqs:
                 outputs[req.request_id] = self._merge(outputs.get(req.request_id), self._finish(req))
+
+    @staticmethod
+    def _fork(req: Request) -> list[ScheduledSeq]:
+        """n > 1: after the prompt's first token is due, the other samples fork its table (the
+        prompt's blocks are shared, the last partial one is copied on write). They sample from
+        the first sample's row of logits, each with its own generator."""
+        req.forked = True
+        seq0 = req.seqs[0]
+        assert seq0.table is not None
+        forks = []
+        for child in range(1, req.params.n):
+            fork = Sequence(child, list(seq0.tokens), seq0.prompt_len,
+                            table=seq0.table.fork(owner=f"{req.request_id}/{child}"), num_computed=seq0.num_computed)
+            req.seqs.append(fork)
+            forks.append(ScheduledSeq(req, fork, 0, 0, [], []))
+        return forks
 
     def _generator(self, req: Request, seq: Sequence) -> torch.Generator | None:
         if req.params.greedy:
