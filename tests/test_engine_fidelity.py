@@ -139,7 +139,8 @@ def test_a_prompt_past_one_prefill_chunk_matches_in_the_auto_dtype(auto_models) 
     req = core.make_request(prompt, SamplingParams(max_tokens=64))
     core.add(req)
     ours = run_to_end(core)[req.request_id].outputs[0].token_ids
-    assert audit(core.pool).used == 0
+    report = audit(core.pool)
+    assert report.ok and report.used == 0, report.format()
     assert len(chunks) >= 2 and max(chunks) <= 512, chunks  # the prompt really was split
     if loaded.dtype == torch.float32:
         assert ours == hf_greedy(reference, prompt, 64)
