@@ -35,15 +35,14 @@ from bench.workload import Trace, TraceConfig, generate
 from chatcore.cache import BlockPool, BlockTable, cache_salt, longest_prefix
 from chatcore.cache.errors import NoFreeBlocks
 
-# SmolLM2-135M: FLOPs to recompute one token at position p = LINEAR + ATTENTION * p.
-LINEAR_FLOPS = 2 * 134_515_008
-ATTENTION_FLOPS_PER_POSITION = 4 * 30 * 9 * 64
+def block_cost(depth: int, block_size: int, attention_ratio: float) -> float:
+    """Relative cost of recomputing block `depth` (positions depth*bs .. depth*bs + bs - 1).
 
-
-def block_cost(depth: int, block_size: int) -> float:
-    """Relative cost of recomputing block `depth` (positions depth*bs .. depth*bs + bs - 1)."""
+    Recomputing a token at position p costs linear FLOPs (2 x parameters) plus attention FLOPs
+    growing with p; `attention_ratio` is the attention FLOPs per position over the linear FLOPs
+    per token, from the loaded model (`chatcore.engine.core.depth_cost(loaded, 1)`)."""
     mid = depth * block_size + block_size / 2
-    return block_size * (LINEAR_FLOPS + ATTENTION_FLOPS_PER_POSITION * mid) / LINEAR_FLOPS
+    return block_size * (1 + attention_ratio * mid)
 
 
 class CostAwarePool(BlockPool):
@@ -134,29 +133,36 @@ class FlopCostPool(CostAwarePool):
     """The same GreedyDual, with cost = FLOPs to recompute the block at its depth (attention grows
     with the position). Reported for comparison: on the trace it loses to LRU (see docs)."""
 
+    def __init__(self, num_blocks: int, block_size: int, attention_ratio: float, **kwargs: Any) -> None:
+        super().__init__(num_blocks, block_size, **kwargs)
+        self.attention_ratio = attention_ratio
+
     def cost(self, block_id: int) -> float:
-        return block_cost(self.depth[block_id], self.block_size) / self.block_size
+        return block_cost(self.depth[block_id], self.block_size, self.attention_ratio) / self.block_size
 
 
-class PoolCost(BlockPool):
-    """The pool's own cost-aware policy (`eviction="cost"`, chatcore's default)."""
-
-    def __init__(self, num_blocks: int, block_size: int, **kwargs: Any) -> None:
-        super().__init__(num_blocks, block_size, eviction="cost", **kwargs)
+# lru and pool_cost are the pool's own policies (`eviction=`; chatcore's engine passes the same
+# depth cost as pool_cost here); cost_aware and gd_flops are the GreedyDual variants above.
+POLICIES = ("lru", "pool_cost", "cost_aware", "gd_flops")
 
 
-class PoolLRU(BlockPool):
-    def __init__(self, num_blocks: int, block_size: int, **kwargs: Any) -> None:
-        super().__init__(num_blocks, block_size, eviction="lru", **kwargs)
+def make_pool(policy: str, num_blocks: int, block_size: int, attention_ratio: float) -> BlockPool:
+    kwargs: dict[str, Any] = {"low_watermark": 0.0, "high_watermark": 0.0}
+    if policy == "lru":
+        return BlockPool(num_blocks, block_size, eviction="lru", **kwargs)
+    if policy == "pool_cost":
+        return BlockPool(num_blocks, block_size, eviction="cost", depth_cost=attention_ratio * block_size, **kwargs)
+    if policy == "gd_flops":
+        return FlopCostPool(num_blocks, block_size, attention_ratio, **kwargs)
+    if policy == "cost_aware":
+        return CostAwarePool(num_blocks, block_size, **kwargs)
+    raise ValueError(f"unknown policy {policy!r}")
 
 
-POOLS: dict[str, type[BlockPool]] = {"lru": PoolLRU, "pool_cost": PoolCost, "cost_aware": CostAwarePool,
-                                     "gd_flops": FlopCostPool}
-
-
-def replay(trace: Trace, num_blocks: int, block_size: int, policy: str = "lru") -> dict[str, Any]:
+def replay(trace: Trace, num_blocks: int, block_size: int, policy: str = "lru", *,
+           attention_ratio: float) -> dict[str, Any]:
     """Replay every turn; returns hit and query tokens, FLOP-weighted savings and the peak footprint."""
-    pool = POOLS[policy](num_blocks, block_size, low_watermark=0.0, high_watermark=0.0)
+    pool = make_pool(policy, num_blocks, block_size, attention_ratio)
     salt = cache_salt("bench-trace", block_size, "bfloat16")
     hits = queries = 0
     saved_cost = total_cost = 0.0
@@ -170,8 +176,8 @@ def replay(trace: Trace, num_blocks: int, block_size: int, policy: str = "lru") 
         hits += len(ids) * block_size
         queries += len(prompt)
         blocks = len(prompt) // block_size
-        saved_cost += sum(block_cost(d, block_size) for d in range(len(ids)))
-        total_cost += sum(block_cost(d, block_size) for d in range(blocks))
+        saved_cost += sum(block_cost(d, block_size, attention_ratio) for d in range(len(ids)))
+        total_cost += sum(block_cost(d, block_size, attention_ratio) for d in range(blocks))
         tokens = prompt + list(answer)
         try:
             table.append_slots(len(tokens) - table.num_tokens)
@@ -204,9 +210,12 @@ def trace_config(ctx: Context) -> TraceConfig:
 
 
 def run(ctx: Context) -> dict[str, Any]:
+    from chatcore.engine.core import depth_cost
+
     trace = generate(trace_config(ctx))
     bs = ctx.settings.block_size
-    oracle = replay(trace, unbounded(trace, bs), bs)
+    ratio = depth_cost(ctx.loaded, 1)  # attention FLOPs per position / linear FLOPs per token
+    oracle = replay(trace, unbounded(trace, bs), bs, attention_ratio=ratio)
     working_set = oracle["peak_blocks"]
     largest = max(len(trace.prompt(e.session, e.turn)) + len(trace.sessions[e.session].turns[e.turn].answer)
                   for e in trace.events())
@@ -216,24 +225,24 @@ def run(ctx: Context) -> dict[str, Any]:
     for fraction in fractions:
         blocks = max(floor, round(fraction * working_set))
         row: dict[str, Any] = {"cache_fraction": fraction, "blocks": blocks}
-        for policy in POOLS:
-            r = replay(trace, blocks, bs, policy)
+        for policy in POLICIES:
+            r = replay(trace, blocks, bs, policy, attention_ratio=ratio)
             r["of_oracle"] = r["hit_rate"] / oracle["hit_rate"]
             r["cost_of_oracle"] = r["cost_weighted_hit_rate"] / oracle["cost_weighted_hit_rate"]
             row[policy] = r
         rows.append(row)
         ctx.log(f"  cache {fraction:.1%} ({blocks} blocks), % of oracle: " +
-                ", ".join(f"{p} {row[p]['of_oracle']:.2%}" for p in POOLS))
+                ", ".join(f"{p} {row[p]['of_oracle']:.2%}" for p in POLICIES))
     by = {r["cache_fraction"]: r for r in rows}
     # The block-size sweep on the same trace (DESIGN: choose the block size by replaying traffic).
     sweep = []
     for size in (8, 16, 32, 64):
-        o = replay(trace, unbounded(trace, size), size)
-        r = replay(trace, max(-(-largest // size) + 1, round(0.25 * o["peak_blocks"])), size)
+        o = replay(trace, unbounded(trace, size), size, attention_ratio=ratio)
+        r = replay(trace, max(-(-largest // size) + 1, round(0.25 * o["peak_blocks"])), size, attention_ratio=ratio)
         sweep.append({"block_size": size, "oracle_hit_rate": o["hit_rate"], "lru_25pct_hit_rate": r["hit_rate"],
                       "working_set_tokens": o["peak_blocks"] * size})
     return {
-        "trace": trace.summary(), "block_size": bs, "working_set_blocks": working_set,
+        "trace": trace.summary(), "block_size": bs, "working_set_blocks": working_set, "attention_ratio": ratio,
         "oracle_hit_rate": oracle["hit_rate"], "oracle_cost_weighted_hit_rate": oracle["cost_weighted_hit_rate"],
         "rows": rows, "block_size_sweep": sweep,
         "targets": [

@@ -23,10 +23,13 @@ from __future__ import annotations
 import heapq
 from typing import Any
 
+import torch
+
 from bench.common import Context, reported, target
 from bench.workload import Trace, TraceConfig, generate
 from chatcore.cache import BlockPool, BlockTable, cache_salt, longest_prefix
 from chatcore.cache.errors import NoFreeBlocks
+from chatcore.kv.tensors import KVTensors
 
 MODEL_CONTEXT = 8192
 
@@ -128,8 +131,10 @@ def run(ctx: Context) -> dict[str, Any]:
     trace = generate(cfg)
     bs = ctx.settings.block_size
     max_len = max(trace.final_length(s.index) for s in trace.sessions)
-    # The budget: the default 1 GiB KV pool of the default model in bf16 (23,040 bytes per token).
-    bytes_per_token = 30 * 2 * 3 * 64 * 2
+    # The budget: a 1 GiB KV pool of the loaded model in bf16 (SmolLM2-135M: 23,040 bytes per token).
+    loaded = ctx.loaded
+    bytes_per_token = KVTensors.bytes_per_block(loaded.num_layers, 1, loaded.num_kv_heads, loaded.head_dim,
+                                                torch.bfloat16)
     budget = (1 << 30) // bytes_per_token
     waste = live_waste(trace, bs, max_len)
     held = sessions_held(trace, bs, budget, max_len)
@@ -147,7 +152,8 @@ def run(ctx: Context) -> dict[str, Any]:
             f"{held['chatcore']} / {held['paged_no_sharing']} / {held['static']}")
     return {
         "trace": trace.summary(), "block_size": bs, "max_len": max_len, "budget_tokens": budget,
-        "budget_note": "1 GiB of bf16 KV for SmolLM2-135M (30 layers x 2 x 3 KV heads x 64 x 2 bytes = 23,040 B/token)",
+        "budget_note": f"1 GiB of bf16 KV for {loaded.path.name} ({loaded.num_layers} layers x 2 x {loaded.num_kv_heads} "
+                       f"KV heads x {loaded.head_dim} x 2 bytes = {bytes_per_token:,} B/token)",
         "schemes": schemes, "peak": waste["peak"], "sessions_held": held, "block_size_sweep": sweep,
         "sharing_saving_pct": 100 * (1 - waste["peak"]["chatcore"]["reserved"] / waste["peak"]["paged_no_sharing"]["reserved"]),
         "targets": [
