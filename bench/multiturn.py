@@ -14,7 +14,8 @@ Three ways to answer each turn's prompt, all on the same token ids:
 * transformers `generate` on the full prompt (SDPA, its own dynamic cache), max_new_tokens=1.
 
 TTFT is from the request's arrival to its first token (chatcore's own `timings.ttft_ms`,
-a stopping-criterion clock for transformers).
+a stopping-criterion clock for transformers). The target compares the last turn with the faster
+of the two cold answers, and the results show both.
 """
 
 from __future__ import annotations
@@ -108,13 +109,16 @@ def run(ctx: Context) -> dict[str, Any]:
             "hf_generate_ttft_ms": median(hf[t]) if t in hf else None,
         })
     last = turns[-1]
-    ratio = last["chatcore_ttft_ms"] / last["chatcore_no_cache_ttft_ms"]
+    cold = min(last["chatcore_no_cache_ttft_ms"], last["hf_generate_ttft_ms"])  # the faster cold answer
+    ratio = last["chatcore_ttft_ms"] / cold
     return {
         "sizes": sz, "repeats": reps, "turns": turns,
         "prefix_cache_off": "a fresh cache scope (salt) per request: no block is ever found",
         "ratio_last_turn_vs_no_cache": ratio,
         "ratio_last_turn_vs_hf": last["chatcore_ttft_ms"] / last["hf_generate_ttft_ms"],
-        "targets": [target(f"TTFT at turn {last['turn']} <= 0.1x prefix-cache-off", ratio, "<=", 0.1,
-                           f"{last['chatcore_ttft_ms']:.0f} vs {last['chatcore_no_cache_ttft_ms']:.0f} ms at "
+        "targets": [target(f"TTFT at turn {last['turn']} <= 0.1x the faster cold answer (prefix cache off, "
+                           "transformers)", ratio, "<=", 0.1,
+                           f"{last['chatcore_ttft_ms']:.0f} ms vs {last['chatcore_no_cache_ttft_ms']:.0f} ms with the "
+                           f"cache off and {last['hf_generate_ttft_ms']:.0f} ms in transformers, at "
                            f"{last['prompt_tokens']} prompt tokens")],
     }
