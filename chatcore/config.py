@@ -72,6 +72,11 @@ class Settings(BaseSettings):
     pinned_kv_fraction: float = Field(0.5, gt=0, le=1, description="share of the pool hot sessions may pin")
     warm_idle_s: float = Field(600.0, ge=0)
     disconnect_grace_s: float = Field(30.0, ge=0)
+    context_policy: Literal["truncate", "reject"] = Field(
+        "truncate", description="a session turn that would overflow the context: truncate drops its oldest "
+        "exchanges from the model's view (never the system prompt); reject refuses it (too_large)")
+    context_low_water: float = Field(
+        0.5, gt=0, le=1, description="truncate drops exchanges until the prompt is at most this share of the context")
 
     # Replicas (docs/deploy.md): who owns a session, and for how long without renewal.
     replica_id: str | None = Field(None, max_length=200, description="default: hostname and a hash of data_dir")
@@ -81,6 +86,8 @@ class Settings(BaseSettings):
     max_frame_bytes: int = Field(65536, ge=256)
     max_message_tokens: int = Field(4096, ge=1)
     max_tokens_limit: int = Field(2048, ge=1)
+    max_context: int | None = Field(
+        None, ge=32, description="tokens of context per sequence (prompt + answer); default: the model's window")
     max_sessions_per_tenant: int = Field(1000, ge=1)
     max_turns_per_tenant: int = Field(16, ge=1)
     allowed_origins: list[str] = Field(default_factory=list)
