@@ -67,7 +67,7 @@ class EngineCore:
                             loaded.head_dim, kv_storage_dtype(settings, loaded), loaded.device)
         self.scheduler = Scheduler(self.pool, max_batch_tokens=settings.max_batch_tokens,
                                    max_num_seqs=settings.max_num_seqs, max_queue_wait_s=settings.max_queue_wait_s,
-                                   max_context=loaded.max_context,
+                                   max_context=min(loaded.max_context, settings.max_context or loaded.max_context),
                                    max_waiting=settings.max_waiting_requests)
         self.runner = ModelRunner(loaded, self.kv)
         self.requests: dict[str, Request] = {}
