@@ -131,6 +131,8 @@ class SessionChain(Base):
     Invariants: `token_ids` packs little-endian uint32 (`packing.pack_ids`);
     `block_hashes` concatenates 16-byte hashes of the leading full blocks, so
     `len(hashes) <= len(token_ids) // block_size`; `num_computed <= len(token_ids)`.
+    `token_ids` is the model's view: with the context policy `truncate` it starts after the
+    session's first `window_start` complete exchanges (the system prompt always stays).
     """
 
     __tablename__ = "session_chains"
@@ -140,6 +142,7 @@ class SessionChain(Base):
     block_hashes: Mapped[bytes]
     block_size: Mapped[int]
     num_computed: Mapped[int] = _counter()
+    window_start: Mapped[int] = _counter()
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
 

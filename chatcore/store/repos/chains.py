@@ -22,6 +22,7 @@ class Chain:
     block_size: int
     num_computed: int
     updated_at: datetime
+    window_start: int = 0  # complete exchanges before the model's view (context policy `truncate`)
 
 
 class ChainRepo:
@@ -35,6 +36,7 @@ class ChainRepo:
         block_hashes: Sequence[bytes],
         block_size: int,
         num_computed: int,
+        window_start: int = 0,
     ) -> None:
         """Insert or replace the session's chain.
 
@@ -52,6 +54,7 @@ class ChainRepo:
             "block_hashes": pack_hashes(block_hashes),
             "block_size": block_size,
             "num_computed": num_computed,
+            "window_start": window_start,
         }
         chain = await self.db.get(SessionChain, session_id)
         if chain is None:
@@ -72,4 +75,5 @@ class ChainRepo:
             block_size=chain.block_size,
             num_computed=chain.num_computed,
             updated_at=chain.updated_at,
+            window_start=chain.window_start,
         )
