@@ -235,7 +235,7 @@ class Connection:
         self.attach(state)
         self.last_seq = last_seq
         self.send({"type": "session", "session_id": state.id, "resume_token": token, "title": state.title,
-                   "history": state.history(), "seq": state.next_seq})
+                   "history": state.history(), "truncated_turns": state.window_start, "seq": state.next_seq})
         current = state.current
         if current is not None and (state.turn_running or last_seq is not None):
             self.follow(state, last_seq)
@@ -266,8 +266,10 @@ class Connection:
             return
         if used:
             raise ApiError("bad_request", f"message id {client_id!r} was already used in this session")
+        raw = frame.get("params")
         await self.services.turns.start(state, content, params, client_id,
-                                        still_current=lambda: self.holds(state.id))
+                                        still_current=lambda: self.holds(state.id),
+                                        max_tokens_given=isinstance(raw, dict) and raw.get("max_tokens") is not None)
         self.follow(state, self.last_seq)
 
     def holds(self, session_id: str) -> bool:

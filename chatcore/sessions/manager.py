@@ -26,6 +26,7 @@ from chatcore.sessions.pins import PinRegistry
 from chatcore.sessions.state import HISTORY_REASONS, SessionState
 from chatcore.sessions.template import ChatTemplate
 from chatcore.sessions.turn import TurnFrames
+from chatcore.sessions.window import exchanges, view
 from chatcore.store.repos import Repos
 
 log = logging.getLogger(__name__)
@@ -208,13 +209,15 @@ class SessionManager:
             state.current.emit({"type": "done", "finish_reason": "disconnected",
                                 "usage": {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0,
                                           "cached_device_tokens": 0, "cached_disk_tokens": 0,
-                                          "recomputed_tokens": 0},
+                                          "recomputed_tokens": 0, "truncated_turns": 0},
                                 "timing": {"queue_ms": None, "ttft_ms": None, "total_ms": None}})
+        if chain is not None:
+            state.window_start = min(chain.window_start, exchanges(state.messages))
         if chain is not None and row.model_fingerprint == self.fingerprint:
             state.tokens = list(chain.token_ids)
         elif chain is not None and state.history():
-            # Another model wrote this history: re-render it; nothing of the old KV is reused.
-            messages = state.messages
+            # Another model wrote this history: re-render its window; nothing of the old KV is reused.
+            messages = view(state.messages, state.window_start)
             state.tokens = await self.tokenize(lambda: self.template.render(messages, generation_prompt=False))
         return state
 
@@ -304,9 +307,10 @@ class SessionManager:
                 item["timing"] = {"queue_ms": turn.queue_ms, "ttft_ms": turn.ttft_ms, "total_ms": turn.total_ms}
             history.append(item)
         tokens = len(state.tokens) if state is not None else len(chain.token_ids) if chain else 0
+        truncated = state.window_start if state is not None else chain.window_start if chain else 0
         return {
             "id": row.id, "title": row.title, "system_prompt": row.system_prompt,
-            "state": self.state_of(row.id, row.state), "history": history,
+            "state": self.state_of(row.id, row.state), "history": history, "truncated_turns": truncated,
             "cache": {"history_tokens": tokens, "device_blocks": pinned,
                       "cached_tokens": sum(t.cached_tokens for t in turns if t.role == "assistant")},
         }
@@ -334,7 +338,7 @@ class SessionManager:
                 return
             if state.tokens:
                 await repos.chains.save_chain(state.id, state.tokens, chain_hashes(state.tokens, bs, salt), bs,
-                                              len(state.tokens))
+                                              len(state.tokens), window_start=state.window_start)
             await repos.sessions.set_seq(state.id, state.next_seq)
             await repos.sessions.set_state(state.id, "cold")
         self.live.pop(state.id, None)

@@ -19,10 +19,12 @@ class SessionState:
     title: str
     system_prompt: str | None
     scope_key: str
-    # The canonical token history: exactly what the model has seen, turn after turn.
+    # The model's view as tokens: exactly what the model has seen, turn after turn (the cached history).
     tokens: list[int] = field(default_factory=list)
-    # Completed turns as messages (the system prompt first, if any): what the template renders.
+    # Every completed turn as a message (the system prompt first, if any): the canonical history.
     messages: list[dict[str, str]] = field(default_factory=list)
+    # Complete exchanges before the model's view (`chatcore.sessions.window`); `tokens` starts after them.
+    window_start: int = 0
     turn_count: int = 0
     next_seq: int = 0
     last_active: float = field(default_factory=time.monotonic)

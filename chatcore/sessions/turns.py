@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,7 @@ from chatcore.sessions.leases import LeaseLost
 from chatcore.sessions.manager import Busy, Conflict, TooLarge
 from chatcore.sessions.state import HISTORY_REASONS, SessionState
 from chatcore.sessions.turn import TurnFrames
+from chatcore.sessions.window import Window, next_prompt
 from chatcore.store.repos import Repos, TurnStats
 from chatcore.turnlog import log_turn
 
@@ -48,10 +50,13 @@ class TurnRunner:
         self.background: set[asyncio.Task[object]] = set()
 
     async def start(self, state: SessionState, content: str, params: SamplingParams,
-                    client_id: str | None = None, still_current: Callable[[], bool] = lambda: True) -> TurnFrames:
+                    client_id: str | None = None, still_current: Callable[[], bool] = lambda: True,
+                    max_tokens_given: bool = True) -> TurnFrames:
         """Start a turn, or return the turn this `client_id` already started (idempotency).
         `still_current`: whether the caller (a socket) still holds the session once the lock is
-        taken; meanwhile another socket may have taken it over, and must find no turn it did not see."""
+        taken; meanwhile another socket may have taken it over, and must find no turn it did not see.
+        `max_tokens_given`: False when `params.max_tokens` is the default, which then shrinks to the
+        context the prompt leaves."""
         async with state.lock:
             if not still_current():
                 raise Conflict("another connection took over this session")
@@ -65,16 +70,20 @@ class TurnRunner:
             # no other turn of the tenant passes the check meanwhile; the turn task gives it back.
             self.m.active_turns[state.tenant_id] += 1
             try:
-                return await self._begin(state, content, params, client_id)
+                return await self._begin(state, content, params, client_id, max_tokens_given)
             except BaseException:
                 self.m.active_turns[state.tenant_id] -= 1
                 raise
 
     async def _begin(self, state: SessionState, content: str, params: SamplingParams,
-                     client_id: str | None) -> TurnFrames:
+                     client_id: str | None, max_tokens_given: bool) -> TurnFrames:
         """The turn's prompt, rows and task (the caller holds `state.lock`, so the history stays put)."""
         await self.m.hold(state)  # the lease: this replica alone runs the session's turns
-        prompt, added, use_pin = await self.m.tokenize(lambda: self._prompt(state, content))
+        context = self.engine.core.scheduler.max_context
+        window = await self.m.tokenize(lambda: self._prompt(state, content, params.max_tokens, context))
+        prompt, added = window.prompt, window.added
+        if not max_tokens_given and len(prompt) < context:
+            params = replace(params, max_tokens=min(params.max_tokens, context - len(prompt)))
         req = self.engine.make_request(prompt, params, scope_key=state.scope_key)
         req.keep_table = True
         try:
@@ -98,24 +107,21 @@ class TurnRunner:
         state.request_id = req.request_id
         state.cancel_reason = None
         state.running = asyncio.create_task(
-            self._run(state, frames, req, content, use_pin, assistant.id), name=f"turn-{state.id}")
+            self._run(state, frames, req, content, window, assistant.id), name=f"turn-{state.id}")
         return frames
 
-    def _prompt(self, state: SessionState, content: str) -> tuple[list[int], int, bool]:
-        """On the tokenizer thread: (prompt tokens, tokens this turn adds, whether the pinned chain
-        is a prefix of it); `TooLarge` for a message over the limit, before rendering anything."""
+    def _prompt(self, state: SessionState, content: str, max_tokens: int, context: int) -> Window:
+        """On the tokenizer thread: the turn's prompt within the context (`chatcore.sessions.window`);
+        `TooLarge` for a message over the limit, before rendering anything."""
         template = self.m.template
+        settings = self.m.settings
         message_tokens = len(template.tokenizer.encode(content, add_special_tokens=False))
-        if message_tokens > self.m.settings.max_message_tokens:
+        if message_tokens > settings.max_message_tokens:
             raise TooLarge(f"the message is {message_tokens} tokens; "
-                           f"the limit is {self.m.settings.max_message_tokens}")
-        if not state.tokens:
-            prompt = template.first_turn(state.system_prompt, content)
-            return prompt, len(prompt), False
-        delta = template.next_turn(state.messages, content)
-        if delta.rerendered:
-            return delta.tokens, len(delta.tokens), False
-        return state.tokens + delta.tokens, len(delta.tokens), True
+                           f"the limit is {settings.max_message_tokens}")
+        return next_prompt(template, state.tokens, state.messages, state.window_start, state.system_prompt, content,
+                           max_tokens=max_tokens, context=context, policy=settings.context_policy,
+                           low_water=settings.context_low_water)
 
     async def background_idle(self) -> None:
         """Wait for the disk-tier writes started so far."""
@@ -128,13 +134,13 @@ class TurnRunner:
 
     # ----- the turn task ---------------------------------------------------------------------
     async def _run(self, state: SessionState, frames: TurnFrames, req: Request, content: str,
-                   use_pin: bool, assistant_id: int) -> None:
+                   window: Window, assistant_id: int) -> None:
         final: RequestOutput | None = None
         error: str | None = None
         try:  # the tenant's slot is given back whatever happens, a cancellation too
             try:
-                frames.emit({"type": "start"})
-                await self._attach_prefix(state, req, use_pin)
+                frames.emit({"type": "start", "truncated_turns": window.window_start})
+                await self._attach_prefix(state, req, window.use_pin)
                 # A cancel (or an expired grace period) that came while the prefix was attached found
                 # no request in the engine to abort: honour it here. From here to the engine's `add`
                 # nothing awaits, so a later cancel finds the request.
@@ -156,7 +162,7 @@ class TurnRunner:
                     await self.engine.call(lambda core: core.discard(req))
             except Exception:  # the engine is stopping: it releases everything itself
                 log.exception("could not release the prefix of a turn in session %s", state.id)
-            await self._finish(state, frames, req, content, final, error, assistant_id)
+            await self._finish(state, frames, req, content, window, final, error, assistant_id)
         finally:
             self.m.active_turns[state.tenant_id] -= 1
             state.request_id = None
@@ -242,7 +248,7 @@ class TurnRunner:
 
         return await self.engine.call(install)
 
-    async def _finish(self, state: SessionState, frames: TurnFrames, req: Request, content: str,
+    async def _finish(self, state: SessionState, frames: TurnFrames, req: Request, content: str, window: Window,
                       final: RequestOutput | None, error: str | None, assistant_id: int) -> None:
         if final is not None and final.outputs:
             best = final.outputs[0]
@@ -266,6 +272,7 @@ class TurnRunner:
                        system + state.messages + [{"role": "user", "content": content},
                                                   {"role": "assistant", "content": text}])
         chain = history[0] if history is not None else state.tokens
+        window_start = window.window_start if history is not None else state.window_start
         usage = final.usage if final is not None else None
         timings = final.timings if final is not None else None
         disk_tokens = usage.cached_disk_tokens if usage else 0
@@ -287,7 +294,8 @@ class TurnRunner:
                 await self.m.leases.fence(repos, state.id)  # LeaseLost: another replica owns it now
                 await repos.turns.finish_turn(assistant_id, content=text, token_ids=generated,
                                               finish_reason=reason, stats=stats, alternatives=alternatives)
-                await repos.chains.save_chain(state.id, chain, chain_hashes(chain, bs, salt), bs, len(chain))
+                await repos.chains.save_chain(state.id, chain, chain_hashes(chain, bs, salt), bs, len(chain),
+                                              window_start=window_start)
                 await repos.sessions.set_seq(state.id, last_seq)
                 await repos.sessions.touch(state.id)
             saved = True
@@ -300,6 +308,7 @@ class TurnRunner:
             reason, error = "error", "internal"
         if saved and history is not None:
             state.tokens, state.messages = history
+            state.window_start = window_start
         self.m.metrics.record_request(reason, stats.prompt_tokens, stats.cached_device_tokens,
                                       stats.cached_disk_tokens, stats.queue_ms, stats.ttft_ms,
                                       timings.inter_token_ms if timings else [])
@@ -310,10 +319,10 @@ class TurnRunner:
         try:
             await self._pin(state, req, keep=saved)
         finally:
-            self._notify(frames, reason, error, stats)
+            self._notify(frames, reason, error, stats, window.window_start)
 
     @staticmethod
-    def _notify(frames: TurnFrames, reason: str, error: str | None, stats: TurnStats) -> None:
+    def _notify(frames: TurnFrames, reason: str, error: str | None, stats: TurnStats, truncated: int) -> None:
         """The turn's last frames: `error` if it failed, then always `done`."""
         if error is not None:
             code = "busy" if "max_queue_wait_s" in (error or "") or error == "busy" else "internal"
@@ -325,7 +334,7 @@ class TurnRunner:
                       "completion_tokens": stats.completion_tokens,
                       "cached_device_tokens": stats.cached_device_tokens,
                       "cached_disk_tokens": stats.cached_disk_tokens,
-                      "recomputed_tokens": stats.recomputed_tokens},
+                      "recomputed_tokens": stats.recomputed_tokens, "truncated_turns": truncated},
             "timing": {"queue_ms": stats.queue_ms, "ttft_ms": stats.ttft_ms, "total_ms": stats.total_ms},
         })
 
