@@ -1,8 +1,11 @@
 """Turns a step plan into tensors and runs one forward pass of the model over the paged cache.
 
 The packed row holds the decode tokens first (one per sequence), then the prefill chunks.
-Positions restart for each sequence, so RoPE sees each token's true position. Only the rows
-whose logits are needed (the last token of each sequence that samples) reach the LM head.
+Positions restart for each sequence, so RoPE sees each token's true position. The pass goes
+through the model's own top-level forward (its `...ForCausalLM`), so whatever it does after the
+decoder (final norm, logit scaling, final logit softcapping) applies as in transformers. Only the
+rows whose logits are needed (the last token of each sequence that samples) reach the LM head:
+they are given as `logits_to_keep`, a 1-D index tensor sliced from the step's one upload.
 
 All of the step's integer metadata (block copies, token ids, positions, slots, sampled rows,
 block tables, context lengths) is packed on the host into one int32
@@ -108,6 +111,6 @@ class ModelRunner:
                                 tuple(e.start for e in prefill), tuple(e.num_tokens for e in prefill))
             if prefill else None,
         )
-        hidden = self.model.model(input_ids=long(ids_at).unsqueeze(0), position_ids=long(positions_at).unsqueeze(0),
-                                  use_cache=False, chatcore_step=meta).last_hidden_state
-        return self.model.lm_head(hidden[0, long(rows_at)]).float()
+        out = self.model(input_ids=long(ids_at).unsqueeze(0), position_ids=long(positions_at).unsqueeze(0),
+                         use_cache=False, logits_to_keep=long(rows_at), chatcore_step=meta)
+        return out.logits[0].float()
