@@ -18,12 +18,22 @@ import torch
 from chatcore.cache import BlockPool, CacheError, audit, cache_salt
 from chatcore.config import Settings
 from chatcore.engine.beam import BeamSearch
+from chatcore.engine.choices import StepChoices
 from chatcore.engine.detok import IncrementalDetokenizer
-from chatcore.engine.outputs import CompletedSeq, RequestOutput, SeqDelta, Timings, Usage
+from chatcore.engine.outputs import (
+    CompletedSeq,
+    RequestOutput,
+    SeqDelta,
+    Timings,
+    TokenLogprob,
+    Usage,
+)
+from chatcore.engine.penalties import Penalties
 from chatcore.engine.request import FinishReason, Request, SamplingParams, Sequence
 from chatcore.engine.runner import ModelRunner
 from chatcore.engine.sampler import beam_candidates, make_generator, sample
 from chatcore.engine.scheduler import ScheduledSeq, Scheduler, StepPlan
+from chatcore.engine.transfers import DownloadPack
 from chatcore.kv.sizing import device_pool_bytes
 from chatcore.kv.tensors import KVTensors
 from chatcore.models.device import DTYPES
@@ -74,8 +84,14 @@ class EngineCore:
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._generators: dict[int, torch.Generator] = {}
         self._beams: dict[str, BeamSearch] = {}
+        self._penalties = Penalties(self.vocab_size, loaded.device)
         self.on_step: list[Callable[[StepPlan], None]] = []
         self.steps = 0
+
+    @property
+    def vocab_size(self) -> int:
+        """The width of a row of logits: valid token ids are 0..vocab_size - 1."""
+        return int(self.loaded.model.get_output_embeddings().weight.shape[0])
 
     # ----- salts and requests ----------------------------------------------------------------
     def salt(self, scope_key: str = "global") -> bytes:
@@ -98,8 +114,10 @@ class EngineCore:
         if not req.salt:
             req.salt = self.salt()
         try:
+            self._penalties.admit(req)
             self.scheduler.add(req)
         except Exception:
+            self._penalties.release(req)
             if req.prefix_table is not None and not req.prefix_table.released:
                 req.prefix_table.release()
             raise
@@ -178,13 +196,12 @@ class EngineCore:
 
     def _sample(self, plan: StepPlan, entries: list[ScheduledSeq], logits: torch.Tensor,
                 outputs: dict[str, RequestOutput]) -> None:
-        """Choose every sampling row's token on the device, then bring all choices (and beam
-        search's candidates) to the host in the step's one download."""
+        """Choose every sampling row's token on the device (`StepChoices`), then bring all choices,
+        their log-probs and beam search's candidates to the host in the step's one download."""
         rows: dict[int, int] = {}
         for entry in entries:
             if entry.samples:
                 rows[id(entry.seq)] = len(rows)
-        num_rows = len(rows)  # forks added below share their parent's row
         by_request: dict[str, list[ScheduledSeq]] = {}
         for entry in entries:
             if entry.samples:
@@ -199,35 +216,29 @@ class EngineCore:
                 continue
             if not req.forked:
                 forks = self._fork(req)
+                for fork in forks:
+                    self._penalties.fork(req.seqs[0], fork.seq)
                 rows.update({id(f.seq): rows[id(req.seqs[0])] for f in forks})
                 group += forks
             plain.extend((req, entry.seq, rows[id(entry.seq)]) for entry in group)
-        drawn = [sample(logits[row], req.params, self._generator(req, seq))
-                 for req, seq, row in plain if not req.params.greedy]
-        parts = [logits.argmax(dim=-1)]
-        if drawn:
-            parts.append(torch.stack(drawn))
+        argmax = logits.argmax(dim=-1)
+        pack = DownloadPack()
+        pack.add("argmax", argmax)
+        choices = StepChoices(plain, logits, argmax, pack, self._penalties, sample, self._generator)
         candidates = [beam_candidates(torch.stack([logits[r] for r in beam_rows]), self._beam(req).candidates)
                       for req, beam_rows in beams]
-        for values, ids in candidates:
-            parts += [values.flatten(), ids.flatten()]
-        host = self.runner.transfers.download(torch.cat([p.double() for p in parts]))
-        at = num_rows + len(drawn)  # the layout: argmax of every row, drawn tokens, each beam's candidates
-        for (req, beam_rows), (values, _) in zip(beams, candidates, strict=True):
+        for i, (values, ids) in enumerate(candidates):
+            pack.add(f"beam{i}.values", values)
+            pack.add(f"beam{i}.ids", ids)
+        host = self.runner.transfers.download(pack.packed())
+        for i, ((req, _), (values, _)) in enumerate(zip(beams, candidates, strict=True)):
             width = values.shape[1]
-            size = len(beam_rows) * width
-            flat_values, flat_ids = host[at: at + size], host[at + size: at + 2 * size]
-            at += 2 * size
-            self._beam_step(req, [flat_values[i: i + width] for i in range(0, size, width)],
-                            [[int(t) for t in flat_ids[i: i + width]] for i in range(0, size, width)], outputs)
-        drawn_at = num_rows
-        for req, seq, row in plain:
-            if req.params.greedy:
-                token = int(host[row])
-            else:
-                token = int(host[drawn_at])
-                drawn_at += 1
-            self._append_token(req, seq, token, now, outputs)
+            flat_values, flat_ids = pack.segment(host, f"beam{i}.values"), pack.segment(host, f"beam{i}.ids")
+            self._beam_step(req, [flat_values[j: j + width] for j in range(0, len(flat_values), width)],
+                            [[int(t) for t in flat_ids[j: j + width]] for j in range(0, len(flat_ids), width)],
+                            outputs)
+        for (req, seq, _), (token, logprob) in zip(plain, choices.read(host), strict=True):
+            self._append_token(req, seq, token, now, outputs, logprob)
         for req in {id(e.req): e.req for e in entries}.values():
             if not req.finished and not req.live_seqs:
                 outputs[req.request_id] = self._merge(outputs.get(req.request_id), self._finish(req))
@@ -262,8 +273,10 @@ class EngineCore:
         return self.loaded.stop_token_ids | frozenset(params.stop_token_ids)
 
     def _append_token(self, req: Request, seq: Sequence, token: int, now: float,
-                      outputs: dict[str, RequestOutput]) -> None:
+                      outputs: dict[str, RequestOutput], logprob: TokenLogprob | None = None) -> None:
         seq.tokens.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
         if req.first_token is None:
             req.first_token = now
         if seq.index == 0:
@@ -282,7 +295,7 @@ class EngineCore:
                 seq.table.release()
                 seq.table = None
         out = outputs.setdefault(req.request_id, RequestOutput(req.request_id))
-        out.deltas.append(SeqDelta(seq.index, [token], text))
+        out.deltas.append(SeqDelta(seq.index, [token], text, [logprob] if logprob is not None else None))
 
     def _beam(self, req: Request) -> BeamSearch:
         search = self._beams.get(req.request_id)
@@ -335,6 +348,7 @@ class EngineCore:
     def _finish(self, req: Request) -> RequestOutput:
         """The one exit path: release through the scheduler, then report."""
         self.scheduler.remove(req)
+        self._penalties.release(req)
         self.requests.pop(req.request_id, None)
         req.finished_at = time.monotonic()
         out = RequestOutput(req.request_id, finished=True, error=req.error)
@@ -350,7 +364,8 @@ class EngineCore:
                 self._generators.pop(id(seq), None)
                 text = detok.text if detok is not None else ""
                 reason = (seq.finish_reason or FinishReason.ABORT).value
-                out.outputs.append(CompletedSeq(seq.index, text, seq.output_ids, reason))
+                out.outputs.append(CompletedSeq(seq.index, text, seq.output_ids, reason,
+                                                list(seq.logprobs) if req.params.logprobs else None))
         for seq in req.seqs:
             self._detok.pop(id(seq), None)
             self._generators.pop(id(seq), None)

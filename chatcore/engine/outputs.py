@@ -5,11 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A chosen token's log-prob and the `top_logprobs` best tokens' (best first), from the
+    distribution the token was chosen from before temperature, top-k and top-p: the model's
+    log-softmax after penalties and logit_bias."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(slots=True)
 class SeqDelta:
     index: int
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] | None = None  # aligned with token_ids, when the request asks
 
 
 @dataclass(slots=True)
@@ -18,6 +30,7 @@ class CompletedSeq:
     text: str
     token_ids: list[int]
     finish_reason: str
+    logprobs: list[TokenLogprob] | None = None  # aligned with token_ids, when the request asks
 
 
 @dataclass(slots=True)

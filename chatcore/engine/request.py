@@ -19,6 +19,9 @@ import time
 from dataclasses import dataclass, field
 
 from chatcore.cache import BlockTable, chain_hashes
+from chatcore.engine.outputs import TokenLogprob
+
+MAX_TOP_LOGPROBS = 20
 
 
 class RequestState(enum.Enum):
@@ -49,6 +52,15 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Logit shaping (chatcore/engine/penalties.py): OpenAI's presence and frequency penalties over
+    # the generated tokens, vLLM's repetition penalty over prompt + generated, and (token id, bias) pairs.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Report each chosen token's log-prob, and its `top_logprobs` best alternatives.
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -65,6 +77,22 @@ class SamplingParams:
             raise ValueError("n > 1 and beam search cannot be combined")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if not all(math.isfinite(p) and -2 <= p <= 2 for p in (self.presence_penalty, self.frequency_penalty)):
+            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2):
+            raise ValueError("repetition_penalty must be in (0, 2]")
+        if any(token < 0 or not (math.isfinite(bias) and -100 <= bias <= 100) for token, bias in self.logit_bias):
+            raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS or (self.top_logprobs and not self.logprobs):
+            raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, and needs logprobs")
+        if self.beam_width > 1 and (self.shapes_logits or self.logprobs):
+            raise ValueError("beam search does not combine with penalties, logit_bias or logprobs")
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether penalties or a logit bias change this request's logits before it samples."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or bool(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -87,6 +115,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_text_cut: int | None = None
     cum_logprob: float = 0.0
+    # One entry per generated token when the request asks for logprobs.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def output_ids(self) -> list[int]:

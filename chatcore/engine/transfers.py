@@ -45,3 +45,27 @@ class StepTransfers:
     def download(self, packed: torch.Tensor) -> list[float]:
         """The step's results on the host: the one device-to-host copy, which waits for the step."""
         return packed.tolist()
+
+
+class DownloadPack:
+    """A step's device results, gathered for its one download: named segments of one float64
+    tensor (token ids and float32 log-probs are exact in float64), read back by name."""
+
+    def __init__(self) -> None:
+        self._parts: list[torch.Tensor] = []
+        self._spans: dict[str, tuple[int, int]] = {}
+        self._size = 0
+
+    def add(self, name: str, values: torch.Tensor) -> None:
+        flat = values.reshape(-1).double()
+        self._spans[name] = (self._size, self._size + flat.numel())
+        self._size += flat.numel()
+        self._parts.append(flat)
+
+    def packed(self) -> torch.Tensor:
+        return torch.cat(self._parts)
+
+    def segment(self, host: list[float], name: str) -> list[float]:
+        """A named segment of the downloaded values."""
+        start, end = self._spans[name]
+        return host[start:end]
