@@ -10,7 +10,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from chatcore.config import Settings, load_settings
+from chatcore.config import DEFAULT_MODEL, Settings, load_settings
+from chatcore.models.errors import ModelUnavailable
 
 Handler = Callable[[argparse.Namespace, Settings], int]
 
@@ -85,7 +86,8 @@ def _gb_or_auto(value: str) -> float | str:
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="a local Hugging Face folder, or 'default' (CHATCORE_MODEL)")
+    parser.add_argument("--model", default=None, help="a local Hugging Face folder, a hub id (org/name) from the "
+                        "local HF cache, or 'default' (CHATCORE_MODEL)")
     parser.add_argument("--device", default=None,
                         help="auto (cuda when there is a GPU, else cpu), cpu, cuda or cuda:N (CHATCORE_DEVICE)")
     parser.add_argument("--gpu-memory-fraction", dest="gpu_memory_fraction", type=float, default=None,
@@ -196,15 +198,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Handler = args.handler
     if args.command in DEVICE_COMMANDS:
         from chatcore.models.device import DeviceUnavailable, resolve_device
+        from chatcore.models.loader import resolve_model_path
 
         try:
             resolve_device(settings.device)
-        except DeviceUnavailable as exc:
+            if settings.model != DEFAULT_MODEL:  # a missing model fails here, before a server starts
+                resolve_model_path(settings)
+        except (DeviceUnavailable, ModelUnavailable) as exc:
             print(f"chatcore: {exc}", file=sys.stderr)
             return 2
     if args.command in PRIVATE_COMMANDS:
         os.umask(0o077)  # the database, the KV files and their folders: the server's user's alone
-    return handler(args, settings)
+    try:
+        return handler(args, settings)
+    except ModelUnavailable as exc:  # a model refused at load (models/support.py)
+        print(f"chatcore: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
-"""Loading a local Hugging Face Llama-family model with our paged attention.
+"""Loading a Hugging Face causal LM with our paged attention.
 
-`settings.model` is either "default" (the converted SmolLM2 folder) or a path to any local
-folder that transformers can load as a causal LM (Llama, Qwen2, Mistral, SmolLM...).
+`settings.model` is "default" (the converted SmolLM2 folder), a path to a local folder that
+transformers can load as a causal LM, or a hub id (`org/name`) resolved through the local
+Hugging Face cache (`hub.py`). After loading, one probe forward checks that the paged path
+reproduces the model's attention (`support.py`): a model it would not is refused with one line.
+The attention dimensions and the context come from that probe, not from config names.
 The fingerprint identifies the weights and config: every persisted KV block carries it, so
 KV computed by another model is never reused.
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,10 +21,13 @@ from typing import Any
 import torch
 
 from chatcore.config import DEFAULT_MODEL, Settings
-from chatcore.models import paged_attention
+from chatcore.models import paged_attention, support
 from chatcore.models.device import resolve_device, resolve_dtype
+from chatcore.models.errors import ModelNotFound, UnsupportedModel
+from chatcore.models.hub import is_hub_id, resolve_hub_id
 
 FINGERPRINT_HEAD_BYTES = 1 << 20
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -49,8 +56,10 @@ def resolve_model_path(settings: Settings) -> Path:
 
         return fetch_default_model(settings.cache_dir)[0]
     path = Path(settings.model).expanduser()
+    if not path.exists() and is_hub_id(settings.model):
+        return resolve_hub_id(settings.model)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
+        raise ModelNotFound(f"model {path}: not a Hugging Face model folder (no config.json)")
     return path
 
 
@@ -94,9 +103,7 @@ def load_model(settings: Settings) -> LoadedModel:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=name)
     model.to(device)
     model.eval()
-    config = model.config
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    profile = _profile(model, settings.model)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -104,10 +111,23 @@ def load_model(settings: Settings) -> LoadedModel:
         fingerprint=model_fingerprint(path),
         dtype=dtype,
         device=device,
-        num_layers=config.num_hidden_layers,
-        num_heads=heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=head_dim,
-        max_context=int(getattr(config, "max_position_embeddings", 4096)),
+        num_layers=model.config.num_hidden_layers,
+        num_heads=profile.num_heads,
+        num_kv_heads=profile.num_kv_heads,
+        head_dim=profile.head_dim,
+        max_context=profile.max_context,
         stop_token_ids=_stop_ids(model, tokenizer),
     )
+
+
+def _profile(model: Any, name: str) -> support.AttentionProfile:
+    """The probe's profile of the loaded model, or `UnsupportedModel` naming the model."""
+    positions = int(getattr(model.config, "max_position_embeddings", None) or 4096)
+    try:
+        profile = support.check(model, support.probe(model), positions)
+    except UnsupportedModel as exc:
+        raise UnsupportedModel(f"model {name} is refused: {exc}") from exc
+    if profile.max_context < positions:
+        log.warning("model %s: sliding window of %d tokens; its context is capped there (from %d), where the "
+                    "window masks nothing", name, profile.max_context, positions)
+    return profile

@@ -32,6 +32,7 @@ from transformers import AttentionInterface
 
 import kernels
 from chatcore.kv.tensors import KVTensors
+from chatcore.models.support import AttentionProbe
 
 ATTENTION_NAME = "chatcore_paged"
 CONTINUATION_MAX_SCORES = 1 << 23  # heads x chunk x context: 32 MB of fp32 scores
@@ -169,8 +170,15 @@ def paged_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     chatcore_step: StepMeta | None = None,
-    **_: object,
+    chatcore_probe: AttentionProbe | None = None,
+    **arguments: object,
 ) -> tuple[torch.Tensor, None]:
+    """The layer's attention over the paged cache. The other `arguments` the model passes are
+    ignored: at load, `support.check` refused every model that gives one that matters (a softcap,
+    sinks), and capped the context at the smallest `sliding_window`, within which a window masks
+    nothing. `chatcore_probe` is that load-time check's recorder."""
+    if chatcore_probe is not None:
+        return chatcore_probe.record(module, query, key, value, {"scaling": scaling, "dropout": dropout, **arguments})
     if chatcore_step is None:
         raise RuntimeError("chatcore_paged attention needs the step metadata (chatcore_step=...)")
     meta = chatcore_step
