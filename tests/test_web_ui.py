@@ -585,3 +585,48 @@ async def test_keyed_mode_asks_for_a_key_and_uses_it(browser, keyed_server):
         await expect(item).to_have_count(0)  # bob's chat is not acme's
     finally:
         await ctx.close()
+
+
+@pytest.fixture
+def small_window_server(tmp_path):
+    from tests.server_helpers import start_server
+
+    server = start_server(tmp_path / "window", max_context="192")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def test_the_model_s_view_is_marked_when_a_long_chat_is_truncated(browser, small_window_server):
+    ctx = await browser.new_context(viewport={"width": 1440, "height": 900}, base_url=small_window_server.base_url)
+    try:
+        page = await ctx.new_page()
+        await open_app(page, max_tokens=4)
+        messages = [f"Message {i}: which {word} do you like best, and why would a traveller pick it?"
+                    for i, word in enumerate(["river", "city", "bread", "song", "coast", "tree", "train", "lake"])]
+        marker = page.get_by_test_id("truncation-marker")
+        for i, text in enumerate(messages):
+            await send(page, text)
+            await expect(page.get_by_test_id("message-assistant")).to_have_count(i + 1)
+            await wait_finished(page)
+        await expect(marker).to_have_count(1)
+        sid = await current_session_id(page)
+        res = await page.request.get(f"/v1/sessions/{sid}")
+        dropped = (await res.json())["truncated_turns"]
+        assert dropped > 0
+        await expect(marker).to_have_attribute("data-truncated", str(dropped))
+        await expect(page.get_by_test_id("message-user")).to_have_count(len(messages))  # nothing hidden
+
+        async def first_in_view() -> str:
+            return await marker.evaluate("(m) => m.nextElementSibling.textContent")
+
+        assert messages[dropped] in await first_in_view()
+        assert await marker.evaluate("(m) => m.nextElementSibling.dataset.testid") == "message-user"
+        await marker.scroll_into_view_if_needed()
+        await page.screenshot(path=str(ARTIFACTS / "ui-truncation-marker.png"))
+        await page.reload()  # the session frame brings the window back
+        await expect(marker).to_have_count(1)
+        assert messages[dropped] in await first_in_view()
+    finally:
+        await ctx.close()

@@ -132,6 +132,7 @@ function makeController(opts) {
     markRunning(s);
   });
   s.addEventListener("conn", () => mine() && updateConnection());
+  s.addEventListener("window", () => mine() && placeWindowMarker());
   s.addEventListener("meta", () => {
     if (mine()) updateHeader();
     const row = serverSessions.find((x) => x.id === s.id);
@@ -259,9 +260,34 @@ function renderTranscript() {
     return node;
   });
   el.messages.replaceChildren(...nodes);
+  placeWindowMarker();
   updateWelcome();
   stickToBottom = true;
   scrollToBottom();
+}
+
+/** A marker before the first exchange the model still sees. Exchanges that ended in an error are
+ * not in the server's history, so they do not count. */
+function placeWindowMarker() {
+  el.messages.querySelector('[data-testid="truncation-marker"]')?.remove();
+  const dropped = current ? current.truncatedTurns : 0;
+  if (!dropped) return;
+  const msgs = current.messages;
+  let kept = 0;
+  for (let i = 0; i < msgs.length; i++) {
+    if (msgs[i].role !== "user") continue;
+    const answer = msgs[i + 1];
+    if (answer && answer.role === "assistant" && answer.finish === "error") continue;
+    if (kept++ < dropped) continue;
+    const node = msgEls.get(msgs[i].key);
+    if (!node || node.parentNode !== el.messages) return;
+    const label = dropped === 1 ? "exchange" : "exchanges";
+    const marker = h("div", { class: "window-marker", role: "note", "data-testid": "truncation-marker",
+                              "data-truncated": String(dropped) },
+      h("span", { text: `The model no longer sees the ${dropped} ${label} above; they stay in this chat.` }));
+    el.messages.insertBefore(marker, node);
+    return;
+  }
 }
 
 function updateWelcome() {

@@ -68,6 +68,7 @@ export class ChatSession extends EventTarget {
     this.title = title || "";
     this.systemPrompt = systemPrompt;
     this.messages = [];
+    this.truncatedTurns = 0;
     this.running = false;
     this.loaded = false;
     this.connState = "closed";
@@ -156,6 +157,7 @@ export class ChatSession extends EventTarget {
     this.id = f.session_id;
     this.sessionSeq = typeof f.seq === "number" ? f.seq : null;
     this.tokenRetried = false;
+    this.setWindow(f.truncated_turns);
     if (typeof f.title === "string" && (f.title || !this.title)) this.title = f.title;
     store.saveSession(this.id, { token: f.resume_token, title: this.title });
     if (isNew) {
@@ -264,7 +266,16 @@ export class ChatSession extends EventTarget {
     return this.sessionSeq === null || f.seq > this.sessionSeq;
   }
 
+  /** The model's view starts after this many complete exchanges (the context policy truncated them). */
+  setWindow(truncated) {
+    const n = Number.isInteger(truncated) && truncated > 0 ? truncated : 0;
+    if (n === this.truncatedTurns) return;
+    this.truncatedTurns = n;
+    this.emit("window");
+  }
+
   onFrame(f) {
+    if (f.type === "start" && this.isLive(f)) this.setWindow(f.truncated_turns);
     const a = this.adopt;
     if (a && (a.turn === null || a.turn === undefined || a.turn === f.turn)) {
       this.onAdoptFrame(a, f);
