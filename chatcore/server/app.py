@@ -17,7 +17,12 @@ from litestar.static_files import create_static_files_router
 
 from chatcore.config import Settings
 from chatcore.models.loader import LoadedModel
-from chatcore.server import openai_routes, ops_routes, session_routes
+from chatcore.server import (
+    completions_routes,
+    openai_routes,
+    ops_routes,
+    session_routes,
+)
 from chatcore.server.auth import Authenticator, RevocationWatch, host_allowed
 from chatcore.server.errors import (
     ApiError,
@@ -88,6 +93,7 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> Litesta
             # The key is checked by a guard, before a body is read or validated.
             Router("/", guards=[_require_key], route_handlers=[
                 openai_routes.chat_completions,
+                completions_routes.completions,
                 openai_routes.list_models,
                 session_routes.list_sessions,
                 session_routes.create_session,

@@ -17,34 +17,29 @@ from typing import Any
 from litestar import Request, Response, get, post
 from litestar.response import Stream
 
-from chatcore.engine.outputs import RequestOutput
+from chatcore.engine.outputs import RequestOutput, TokenLogprob
 from chatcore.engine.request import SamplingParams
 from chatcore.engine.scheduler import QueueFull, RequestRejected
 from chatcore.server.errors import ApiError
 from chatcore.server.params import sampling_params
 from chatcore.server.services import Services
+from chatcore.server.token_logprobs import TokenTexts, chat_content
 from chatcore.server.ws import arm_grace
 from chatcore.turnlog import log_turn
 
 OPENAI_PARAMS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed", "stop", "user",
                  "stream", "stream_options", "messages", "model", "frequency_penalty", "presence_penalty",
-                 "logit_bias", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
-                 "parallel_tool_calls", "metadata", "store", "service_tier", "top_k", "ignore_eos"}
+                 "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "response_format", "tools",
+                 "tool_choice", "parallel_tool_calls", "metadata", "store", "service_tier", "top_k", "ignore_eos"}
+# The request fields that become `SamplingParams` (see chatcore/server/params.py), besides max_tokens.
+SAMPLING_FIELDS = ("temperature", "top_p", "n", "seed", "stop", "top_k", "ignore_eos", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "logit_bias")
 ROLES = {"system", "user", "assistant", "developer"}
-
-
-def _zero(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
 
 
 # OpenAI fields chatcore does not implement. Each is accepted only at the value that asks for nothing
 # (clients that send every default keep working) and is otherwise refused, never silently dropped.
 UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
-    "frequency_penalty": _zero,
-    "presence_penalty": _zero,
-    "logit_bias": lambda v: v == {},
-    "logprobs": lambda v: v is False,
-    "top_logprobs": _zero,
     "response_format": lambda v: v == {"type": "text"},
     "tools": lambda v: v == [],
     "tool_choice": lambda v: v == "none",
@@ -55,8 +50,8 @@ UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def refuse_unimplemented(data: dict[str, Any]) -> None:
-    for name, neutral in UNIMPLEMENTED.items():
+def refuse_unimplemented(data: dict[str, Any], unimplemented: dict[str, Callable[[Any], bool]] = UNIMPLEMENTED) -> None:
+    for name, neutral in unimplemented.items():
         value = data.get(name)
         if value is not None and not neutral(value):
             raise ApiError("unsupported_parameter", f"{name} is not supported by this server; "
@@ -85,17 +80,38 @@ def parse_messages(raw: Any) -> list[dict[str, str]]:
     return out
 
 
-def _finish_reason(reason: str) -> str:
+def finish_reason(reason: str) -> str:
     return reason if reason in ("stop", "length") else "stop"
 
 
+def check_user(data: dict[str, Any]) -> None:
+    if data.get("user") is not None and not isinstance(data["user"], str):
+        raise ApiError("bad_request", "user must be a string")
+
+
+def token_texts(request: Request[Any, Any, Any], services: Services) -> TokenTexts:
+    """The server's one `TokenTexts`, made when a request first asks for log-probs."""
+    state = request.app.state
+    if "token_texts" not in state:
+        state.token_texts = TokenTexts(services.engine.tokenizer)
+    return state.token_texts
+
+
+def usage(prompt: int, cached: int, completion: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
 class Completion:
-    def __init__(self, services: Services, body: dict[str, Any]) -> None:
-        self.services = services
+    def __init__(self, services: Services, texts: TokenTexts | None) -> None:
+        """`texts` is given when the request asks for log-probs."""
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = services.model_name
-        self.body = body
+        self.texts = texts
+
+    def logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        return {"content": chat_content(self.texts, entries)} if self.texts is not None else None
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
         payload: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
@@ -104,23 +120,22 @@ class Completion:
             payload["usage"] = usage
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    def usage(self, prompt: int, cached: int, completion: int) -> dict[str, Any]:
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
-
-    def full(self, texts: dict[int, str], reasons: dict[int, str], usage: dict[str, Any]) -> dict[str, Any]:
+    def full(self, texts: dict[int, str], logprobs: dict[int, list[TokenLogprob]], reasons: dict[int, str],
+             usage: dict[str, Any]) -> dict[str, Any]:
         return {
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
             "choices": [{"index": i, "message": {"role": "assistant", "content": texts.get(i, "")},
-                         "logprobs": None, "finish_reason": _finish_reason(reasons.get(i, "stop"))}
+                         "logprobs": self.logprobs(logprobs.get(i, [])),
+                         "finish_reason": finish_reason(reasons.get(i, "stop"))}
                         for i in sorted(set(texts) | set(reasons))],
             "usage": usage,
         }
 
 
-async def _engine_events(services: Services, principal_tenant: str, messages: list[dict[str, str]],
-                         params: SamplingParams) -> AsyncIterator[tuple[str, Any]]:
-    """Stateless: ('delta', (index, text)) events, then ('done', (reasons, usage triple))."""
+async def engine_events(services: Services, principal_tenant: str, prompt_of: Callable[[], list[int]],
+                        params: SamplingParams) -> AsyncIterator[tuple[str, Any]]:
+    """Stateless: ('delta', (index, text, logprobs or None)) events, then ('done', (reasons, usage
+    triple)). `prompt_of` gives the prompt's token ids, on the tokenizer thread."""
     engine = services.engine
     active = services.sessions.active_turns  # the same per-tenant bound as session turns
     limit = services.settings.max_turns_per_tenant
@@ -129,7 +144,7 @@ async def _engine_events(services: Services, principal_tenant: str, messages: li
     active[principal_tenant] += 1  # before the first await: tokenizing counts against the bound too
     final: RequestOutput | None = None
     try:
-        prompt = await services.sessions.tokenize(lambda: engine.chat_prompt(messages))
+        prompt = await services.sessions.tokenize(prompt_of)
         request = engine.make_request(prompt, params, scope_key=services.sessions.scope_key(principal_tenant))
         try:
             engine.core.scheduler.check_fits(request)
@@ -138,8 +153,8 @@ async def _engine_events(services: Services, principal_tenant: str, messages: li
         async with aclosing(engine.generate(request)) as stream:
             async for out in stream:
                 for delta in out.deltas:
-                    if delta.text:
-                        yield "delta", (delta.index, delta.text)
+                    if delta.text or delta.logprobs:
+                        yield "delta", (delta.index, delta.text, delta.logprobs)
                 if out.finished:
                     final = out
     except QueueFull as exc:
@@ -174,7 +189,7 @@ async def _session_events(services: Services, tenant_id: str, session_id: str, m
         while True:
             frame = await queue.get()
             if frame["type"] == "token":
-                yield "delta", (frame["index"], frame["text"])
+                yield "delta", (frame["index"], frame["text"], None)
             elif frame["type"] == "error":  # precedes a failed turn's done: busy (no capacity), conflict, ...
                 error = ApiError(frame["code"], frame["message"])
             elif frame["type"] == "done":
@@ -199,19 +214,23 @@ async def chat_completions(request: Request[Any, Any, Any], data: dict[str, Any]
         raise ApiError("bad_request", f"unsupported fields: {', '.join(unknown)}")
     refuse_unimplemented(data)
     messages = parse_messages(data.get("messages"))
-    raw = {k: data[k] for k in ("temperature", "top_p", "n", "seed", "stop", "top_k", "ignore_eos") if data.get(k) is not None}
+    raw = {k: data[k] for k in (*SAMPLING_FIELDS, "logprobs", "top_logprobs") if data.get(k) is not None}
     max_tokens = data.get("max_completion_tokens", data.get("max_tokens"))
     if max_tokens is not None:
         raw["max_tokens"] = max_tokens
-    params = sampling_params(raw, services.settings, default_temperature=1.0, default_max_tokens=512)
-    if data.get("user") is not None and not isinstance(data["user"], str):
-        raise ApiError("bad_request", "user must be a string")
+    params = sampling_params(raw, services.settings, allowed=set(raw), vocab_size=services.engine.core.vocab_size,
+                             default_temperature=1.0, default_max_tokens=512)
+    check_user(data)
     session_id = request.headers.get("x-session-id")
     if session_id:
+        if params.logprobs:
+            raise ApiError("unsupported_parameter", "logprobs is not supported with X-Session-Id; leave it out "
+                                                    "(or send logprobs: false)")
         events = _session_events(services, principal.tenant_id, session_id, messages, params)
     else:
-        events = _engine_events(services, principal.tenant_id, messages, params)
-    completion = Completion(services, data)
+        engine = services.engine
+        events = engine_events(services, principal.tenant_id, lambda: engine.chat_prompt(messages), params)
+    completion = Completion(services, token_texts(request, services) if params.logprobs else None)
     stream = data.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError("bad_request", "stream must be a boolean")
@@ -222,13 +241,15 @@ async def chat_completions(request: Request[Any, Any, Any], data: dict[str, Any]
         return Stream(_sse(completion, first, events, params.n, include_usage), media_type="text/event-stream",
                       headers={"Cache-Control": "no-cache"})
     texts: dict[int, str] = {}
+    logprobs: dict[int, list[TokenLogprob]] = {}
     async for kind, value in events:
         if kind == "delta":
-            index, text = value
+            index, text, token_logprobs = value
             texts[index] = texts.get(index, "") + text
+            logprobs.setdefault(index, []).extend(token_logprobs or ())
         else:
             reasons, (prompt, cached, completion_tokens) = value
-            return Response(completion.full(texts, reasons, completion.usage(prompt, cached, completion_tokens)))
+            return Response(completion.full(texts, logprobs, reasons, usage(prompt, cached, completion_tokens)))
     raise ApiError("internal", "the request ended without a result")
 
 
@@ -250,14 +271,15 @@ async def _sse(completion: Completion, first: tuple[str, Any], events: AsyncIter
                     yield f"data: {json.dumps({'error': {'code': exc.code, 'message': exc.message}})}\n\n"
                     break
             if kind == "delta":
-                index, text = value
-                yield completion.chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}])
+                index, text, logprobs = value
+                yield completion.chunk([{"index": index, "delta": {"content": text},
+                                         "logprobs": completion.logprobs(logprobs or []), "finish_reason": None}])
             else:
                 reasons, (prompt, cached, completion_tokens) = value
-                yield completion.chunk([{"index": i, "delta": {}, "finish_reason": _finish_reason(r)}
+                yield completion.chunk([{"index": i, "delta": {}, "finish_reason": finish_reason(r)}
                                         for i, r in sorted(reasons.items())])
                 if include_usage:
-                    yield completion.chunk([], completion.usage(prompt, cached, completion_tokens))
+                    yield completion.chunk([], usage(prompt, cached, completion_tokens))
                 break
     yield "data: [DONE]\n\n"
 

@@ -6,13 +6,15 @@ import math
 from typing import Any
 
 from chatcore.config import Settings
-from chatcore.engine.request import SamplingParams
+from chatcore.engine.request import MAX_TOP_LOGPROBS, SamplingParams
 from chatcore.server.errors import ApiError
 
 MAX_N = 8
 MAX_STOPS = 4
 MAX_STOP_CHARS = 64
-WS_PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "ignore_eos"}
+MAX_LOGIT_BIAS = 300
+SHAPING_PARAMS = {"presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"}
+WS_PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "ignore_eos"} | SHAPING_PARAMS
 
 
 def _int(name: str, value: Any, low: int, high: int) -> int:
@@ -42,7 +44,38 @@ def parse_stop(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def sampling_params(raw: Any, settings: Settings, *, allowed: set[str] = WS_PARAMS,
+def parse_logit_bias(value: Any, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token id strings to biases in [-100, 100]; ids are checked against the
+    vocabulary when its size is given (else by the engine, when the request is added)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise ApiError("bad_request", f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids")
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise ApiError("bad_request", f"logit_bias key {key!r} is not a token id")
+        token = int(key)
+        if vocab_size is not None and token >= vocab_size:
+            raise ApiError("bad_request", f"logit_bias token id {token} is outside the vocabulary "
+                                          f"(0..{vocab_size - 1})")
+        pairs.append((token, _float(f"logit_bias[{key}]", bias, -100.0, 100.0)))
+    return tuple(sorted(pairs))
+
+
+def _logprobs(raw: dict[str, Any]) -> tuple[bool, int]:
+    logprobs = raw.get("logprobs", False)
+    if logprobs is None:
+        logprobs = False
+    if not isinstance(logprobs, bool):
+        raise ApiError("bad_request", "logprobs must be a boolean")
+    top = _int("top_logprobs", raw["top_logprobs"], 0, MAX_TOP_LOGPROBS) if raw.get("top_logprobs") is not None else 0
+    if top and not logprobs:
+        raise ApiError("bad_request", "top_logprobs needs logprobs: true")
+    return logprobs, top
+
+
+def sampling_params(raw: Any, settings: Settings, *, allowed: set[str] = WS_PARAMS, vocab_size: int | None = None,
                     default_max_tokens: int = 256, default_temperature: float = 0.7) -> SamplingParams:
     """Build `SamplingParams` from a client's dict; `ApiError` names the first bad field."""
     if raw is None:
@@ -67,5 +100,13 @@ def sampling_params(raw: Any, settings: Settings, *, allowed: set[str] = WS_PARA
     ignore_eos = raw.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise ApiError("bad_request", "ignore_eos must be a boolean")
+    penalties = {name: _float(name, raw[name], -2.0, 2.0) for name in ("presence_penalty", "frequency_penalty")
+                 if raw.get(name) is not None}
+    if raw.get("repetition_penalty") is not None:
+        penalties["repetition_penalty"] = _float("repetition_penalty", raw["repetition_penalty"], 0.0, 2.0,
+                                                 low_open=True)
+    logprobs, top_logprobs = _logprobs(raw)
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
-                          stop=parse_stop(raw.get("stop")), ignore_eos=ignore_eos)
+                          stop=parse_stop(raw.get("stop")), ignore_eos=ignore_eos,
+                          logit_bias=parse_logit_bias(raw.get("logit_bias"), vocab_size),
+                          logprobs=logprobs, top_logprobs=top_logprobs, **penalties)
