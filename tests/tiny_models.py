@@ -13,8 +13,8 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 CORPUS = ["The quick brown fox jumps over the lazy dog while the cat sleeps in the sun.",
           "A paged cache keeps the keys and values of every token in fixed-size blocks.",
           "Travel insurance is optional but recommended; refunds are possible before departure."] * 20
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.2)
+SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512, "initializer_range": 0.2}
 
 
 def tokenizer() -> Any:

@@ -35,7 +35,7 @@ def resolve_hub_id(repo_id: str) -> Path:
         raise ModelNotFound(f"model {repo_id}: not in {where}, and HF_HUB_OFFLINE is set")
     try:
         folder = snapshot_download(repo_id, allow_patterns=DOWNLOAD_PATTERNS)
-    except Exception as exc:  # noqa: BLE001 - no network, unknown repo, gated repo: all one line
+    except Exception as exc:  # no network, an unknown or gated repo: all one line
         raise ModelNotFound(f"model {repo_id}: not in {where}, and downloading it failed "
                             f"({type(exc).__name__})") from exc
     return _model_folder(repo_id, Path(folder), where)

@@ -88,7 +88,7 @@ def probe(model: Any) -> AttentionProbe:
             model(input_ids=ids, position_ids=torch.arange(PROBE_TOKENS, device=ids.device).unsqueeze(0),
                   use_cache=False, logits_to_keep=torch.tensor([PROBE_TOKENS - 1], device=ids.device),
                   chatcore_probe=recorder)
-    except Exception as exc:  # noqa: BLE001 - any failure means the layout is not one we know
+    except Exception as exc:  # any failure means a layout we do not know
         _check_shapes(recorder.calls)  # the calls recorded before the failure may say why
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise UnsupportedModel(f"its forward fails under the paged attention ({type(exc).__name__}: {first})") from exc
@@ -101,7 +101,7 @@ def check(model: Any, recorder: AttentionProbe, max_position_embeddings: int) ->
         raise UnsupportedModel(f"unknown layout: {type(model).__name__}.forward takes no logits_to_keep")
     layers = model.config.num_hidden_layers
     seen = [c.layer_idx for c in recorder.calls]
-    if sorted(seen) != list(range(layers)):
+    if not all(isinstance(i, int) for i in seen) or sorted(seen) != list(range(layers)):
         raise UnsupportedModel(f"unknown layout: {layers} layers, but the attention function was called for layers "
                                f"{seen} (attention outside AttentionInterface, or layers without an integer layer_idx)")
     _check_shapes(recorder.calls)
