@@ -89,8 +89,8 @@ def _most_repeated(content) -> int:
 @pytest.mark.parametrize("penalty", [{"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
                                      {"extra_body": {"repetition_penalty": 2.0}}])
 async def test_a_penalty_changes_a_greedy_answer_that_repeats(client, penalty) -> None:
-    plain = await ask(client, REPEAT, max_tokens=16, logprobs=True)
-    penalized = await ask(client, REPEAT, max_tokens=16, logprobs=True, **penalty)
+    plain = await ask(client, REPEAT, max_tokens=12, logprobs=True)
+    penalized = await ask(client, REPEAT, max_tokens=12, logprobs=True, **penalty)
     assert _most_repeated(plain.choices[0].logprobs.content) >= 5  # the plain answer does repeat
     assert penalized.choices[0].message.content != plain.choices[0].message.content
     assert _most_repeated(penalized.choices[0].logprobs.content) < _most_repeated(plain.choices[0].logprobs.content)
