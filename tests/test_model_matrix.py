@@ -6,6 +6,7 @@ download), and compared in fp32 against transformers' own `generate` and forward
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -139,11 +140,12 @@ def test_attention_the_paged_path_cannot_reproduce_is_refused_in_one_line(
     assert "\n" not in str(refused.value)
 
 
-def test_the_command_line_prints_a_refusal_as_one_line_and_exits_2(tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hello", "--max-tokens", "2"], ["serve", "--port", "0"]])
+def test_the_command_line_prints_a_refusal_as_one_line_and_exits_2(tmp_path: Path, command: list[str]) -> None:
     folder = save_tiny_model(tmp_path / "gemma2", "gemma2")
-    done = subprocess.run([sys.executable, "-m", "chatcore.cli", "generate", "--model", str(folder), "--device", "cpu",
-                           "--prompt", "hello", "--max-tokens", "2"],
-                          check=False, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "chatcore.cli", command[0], "--model", str(folder), "--device", "cpu",
+                           *command[1:]], check=False, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CHATCORE_DATA_DIR": str(tmp_path / "data")})
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("chatcore: ")]
     assert lines == [(f"chatcore: model {folder} is refused: layer 0 uses an attention logit softcap (softcap), "

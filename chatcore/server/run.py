@@ -12,6 +12,7 @@ import uvicorn
 from sqlalchemy.exc import DBAPIError
 
 from chatcore.config import Settings
+from chatcore.models.loader import load_model
 from chatcore.server.app import create_app
 from chatcore.store.db import create_engine, create_sessionmaker
 from chatcore.store.repos import Repos
@@ -78,7 +79,8 @@ def serve_command(settings: Settings) -> int:
         return 2
     if exposure:
         log.warning("%s: without API keys (open mode) anyone who can reach this server can use it", exposure)
-    app = create_app(settings)
+    # Loaded before anything binds: a model refused at load (models/support.py) is one line and exit 2.
+    app = create_app(settings, load_model(settings))
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             ws_max_size=settings.max_frame_bytes * 4, timeout_graceful_shutdown=10)
     hygiene = LogHygiene()  # after uvicorn's logging configuration (Config sets it up)
