@@ -96,7 +96,7 @@ async def test_a_long_chat_truncates_rarely_caches_its_new_window_and_keeps_ever
             assert jumps, truncated
             system_tokens = len(template.first_turn(SYSTEM, "x"))
             for i in jumps:
-                usage, before = dones[i]["usage"], dones[i - 1]["usage"]
+                usage = dones[i]["usage"]
                 assert truncated[i] > truncated[i - 1]
                 assert usage["prompt_tokens"] <= 384 // 2
                 assert usage["cached_tokens"] <= system_tokens  # the new window computes once

@@ -15,7 +15,7 @@ from chatcore.cache.audit import audit
 from chatcore.config import Settings
 from tests.engine_helpers import chat_ids
 from tests.inprocess_server import InProcessServer, serve
-from tests.server_helpers import hello, turn
+from tests.server_helpers import hello, recv_until, turn
 
 pytestmark = pytest.mark.model
 QUESTION = "Why is the sky blue?"
@@ -120,8 +120,8 @@ BAD = {  # (fields, the code, a word the message names)
     "logit_bias id outside the vocabulary": ({"logit_bias": {"999999": 1}}, "bad_request", "999999"),
     "logit_bias value over 100": ({"logit_bias": {"5": 101}}, "bad_request", "logit_bias[5]"),
     "logit_bias key not an id": ({"logit_bias": {"abc": 1}}, "bad_request", "abc"),
-    "a field still not implemented": ({"response_format": {"type": "json_object"}}, "unsupported_parameter",
-                                      "response_format"),
+    "a field still not implemented": ({"tools": [{"type": "function", "function": {"name": "f"}}]},
+                                      "unsupported_parameter", "tools"),
 }
 
 
@@ -139,7 +139,7 @@ async def test_logprobs_with_a_session_are_refused(client, server) -> None:
     assert refused.value.body["code"] == "unsupported_parameter" and "logprobs" in refused.value.body["message"]
 
 
-async def test_websocket_params_shape_logits_and_refuse_logprobs(server, loaded_fp32) -> None:
+async def test_websocket_params_shape_logits_and_carry_logprobs(server, loaded_fp32) -> None:
     tokenizer = loaded_fp32.tokenizer
     forced = tokenizer.encode(" banana", add_special_tokens=False)[0]
     async with server.connect() as ws:
@@ -147,6 +147,16 @@ async def test_websocket_params_shape_logits_and_refuse_logprobs(server, loaded_
         text, done = await turn(ws, QUESTION, {"temperature": 0, "max_tokens": 3, "logit_bias": {str(forced): 100},
                                                "frequency_penalty": 0.5})
         assert text == tokenizer.decode([forced]) * 3 and done["finish_reason"] == "length"
-        await ws.send(json.dumps({"type": "user", "id": "lp", "content": "Hi", "params": {"logprobs": True}}))
+        await ws.send(json.dumps({"type": "user", "id": "lp", "content": "Hi",
+                                  "params": {"temperature": 0, "max_tokens": 4, "logprobs": True, "top_logprobs": 3,
+                                             "ignore_eos": True}}))
+        frames = await recv_until(ws, "done")
+        entries = [e for f in frames if f["type"] == "token" for e in f["logprobs"]]
+        assert len(entries) == frames[-1]["usage"]["completion_tokens"] == 4
+        assert "".join(f["text"] for f in frames if f["type"] == "token") == "".join(e["token"] for e in entries)
+        for entry in entries:  # greedy: the chosen token is the most likely one
+            assert len(entry["top_logprobs"]) == 3 and entry["top_logprobs"][0]["token"] == entry["token"]
+            assert entry["logprob"] == entry["top_logprobs"][0]["logprob"] <= 0
+        await ws.send(json.dumps({"type": "user", "id": "bad", "content": "Hi", "params": {"top_logprobs": 2}}))
         frame = json.loads(await ws.recv())
         assert frame["type"] == "error" and frame["code"] == "bad_request" and "logprobs" in frame["message"]

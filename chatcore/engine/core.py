@@ -20,6 +20,7 @@ from chatcore.config import Settings
 from chatcore.engine.beam import BeamSearch
 from chatcore.engine.choices import StepChoices
 from chatcore.engine.detok import IncrementalDetokenizer
+from chatcore.engine.grammar import Grammars
 from chatcore.engine.outputs import (
     CompletedSeq,
     RequestOutput,
@@ -85,6 +86,7 @@ class EngineCore:
         self._generators: dict[int, torch.Generator] = {}
         self._beams: dict[str, BeamSearch] = {}
         self._penalties = Penalties(self.vocab_size, loaded.device)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, loaded.stop_token_ids)
         self.on_step: list[Callable[[StepPlan], None]] = []
         self.steps = 0
 
@@ -115,9 +117,12 @@ class EngineCore:
             req.salt = self.salt()
         try:
             self._penalties.admit(req)
+            if req.params.response_format is not None:
+                self.grammars.admit(req.seqs[0], req.params.response_format)
             self.scheduler.add(req)
         except Exception:
             self._penalties.release(req)
+            self.grammars.release(req.seqs[0])
             if req.prefix_table is not None and not req.prefix_table.released:
                 req.prefix_table.release()
             raise
@@ -218,9 +223,14 @@ class EngineCore:
                 forks = self._fork(req)
                 for fork in forks:
                     self._penalties.fork(req.seqs[0], fork.seq)
+                    self.grammars.fork(req.seqs[0], fork.seq)
                 rows.update({id(f.seq): rows[id(req.seqs[0])] for f in forks})
                 group += forks
             plain.extend((req, entry.seq, rows[id(entry.seq)]) for entry in group)
+        constrained = [(seq, row) for _, seq, row in plain if self.grammars.constrained(seq)]
+        if constrained:  # before anything reads the logits: the grammar's -inf rule them all
+            bitmask = self.runner.transfers.upload_bitmask(self.grammars.masks(constrained, logits.shape[0]))
+            self.grammars.apply(logits, bitmask, sorted({row for _, row in constrained}))
         argmax = logits.argmax(dim=-1)
         pack = DownloadPack()
         pack.add("argmax", argmax)
@@ -238,7 +248,8 @@ class EngineCore:
                             [[int(t) for t in flat_ids[j: j + width]] for j in range(0, len(flat_ids), width)],
                             outputs)
         for (req, seq, _), (token, logprob) in zip(plain, choices.read(host), strict=True):
-            self._append_token(req, seq, token, now, outputs, logprob)
+            complete = self.grammars.constrained(seq) and self.grammars.accept(seq, token)
+            self._append_token(req, seq, token, now, outputs, logprob, complete)
         for req in {id(e.req): e.req for e in entries}.values():
             if not req.finished and not req.live_seqs:
                 outputs[req.request_id] = self._merge(outputs.get(req.request_id), self._finish(req))
@@ -273,7 +284,9 @@ class EngineCore:
         return self.loaded.stop_token_ids | frozenset(params.stop_token_ids)
 
     def _append_token(self, req: Request, seq: Sequence, token: int, now: float,
-                      outputs: dict[str, RequestOutput], logprob: TokenLogprob | None = None) -> None:
+                      outputs: dict[str, RequestOutput], logprob: TokenLogprob | None = None,
+                      complete: bool = False) -> None:
+        """`complete`: the sequence's grammar has accepted its whole output (it stops, EOS ignored or not)."""
         seq.tokens.append(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
@@ -285,7 +298,7 @@ class EngineCore:
         if detok is None:
             detok = self._detok[id(seq)] = IncrementalDetokenizer(self.tokenizer, req.params.stop)
         text = detok.push(token)
-        if token in self._stop_ids(req.params) or detok.stopped:
+        if token in self._stop_ids(req.params) or detok.stopped or complete:
             seq.finish_reason = FinishReason.STOP
         elif seq.num_generated >= req.params.max_tokens:
             seq.finish_reason = FinishReason.LENGTH
@@ -349,6 +362,8 @@ class EngineCore:
         """The one exit path: release through the scheduler, then report."""
         self.scheduler.remove(req)
         self._penalties.release(req)
+        for seq in req.seqs:
+            self.grammars.release(seq)
         self.requests.pop(req.request_id, None)
         req.finished_at = time.monotonic()
         out = RequestOutput(req.request_id, finished=True, error=req.error)

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from chatcore.cache import BlockTable, chain_hashes
+from chatcore.engine.grammar import ResponseFormat
 from chatcore.engine.outputs import TokenLogprob
 
 MAX_TOP_LOGPROBS = 20
@@ -61,6 +62,8 @@ class SamplingParams:
     # Report each chosen token's log-prob, and its `top_logprobs` best alternatives.
     logprobs: bool = False
     top_logprobs: int = 0
+    # Only output this grammar accepts (chatcore/engine/grammar.py): JSON, or JSON a schema validates.
+    response_format: ResponseFormat | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -87,6 +90,8 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, and needs logprobs")
         if self.beam_width > 1 and (self.shapes_logits or self.logprobs):
             raise ValueError("beam search does not combine with penalties, logit_bias or logprobs")
+        if self.beam_width > 1 and self.response_format is not None:
+            raise ValueError("beam search does not combine with response_format")
 
     @property
     def shapes_logits(self) -> bool:

@@ -1,7 +1,7 @@
 """The engine step's only crossings between host and device.
 
 Invariant: a step makes exactly one `upload` (all of its integer metadata, packed into one
-int32 buffer) and exactly one `download` (the sampled ids, and what beam search needs, packed
+int32 buffer; a step that samples a grammar-constrained sequence adds its bitmask) and exactly one `download` (the sampled ids, and what beam search needs, packed
 into one float64 tensor). Nothing else in the step reads device data back or builds device
 tensors from host data, so on a GPU the step synchronises once, at its end.
 tests/test_step_transfers.py holds this by counting at this seam.
@@ -41,6 +41,11 @@ class StepTransfers:
         self._copied = torch.cuda.Event()
         self._copied.record()
         return moved
+
+    def upload_bitmask(self, bitmask: torch.Tensor) -> torch.Tensor:
+        """A step's grammar bitmask (chatcore/engine/grammar.py) on the device: the second upload,
+        made only by steps that sample a grammar-constrained sequence."""
+        return bitmask if self.device.type == "cpu" else bitmask.to(self.device, non_blocking=True)
 
     def download(self, packed: torch.Tensor) -> list[float]:
         """The step's results on the host: the one device-to-host copy, which waits for the step."""

@@ -21,12 +21,11 @@ from chatcore.server.openai_routes import (
     engine_events,
     finish_reason,
     refuse_unimplemented,
-    token_texts,
     usage,
 )
 from chatcore.server.params import sampling_params
 from chatcore.server.services import Services
-from chatcore.server.token_logprobs import TokenTexts, legacy
+from chatcore.engine.token_logprobs import TokenTexts, legacy
 
 COMPLETIONS_PARAMS = {"model", "prompt", "max_tokens", "stream", "stream_options", "user", "logprobs", "echo",
                       "suffix", "best_of", *SAMPLING_FIELDS}
@@ -135,7 +134,7 @@ async def completions(request: Request[Any, Any, Any], data: dict[str, Any]) -> 
     if not isinstance(stream, bool):
         raise ApiError("bad_request", "stream must be a boolean")
     events = engine_events(services, principal.tenant_id, _prompt_ids(services.engine.tokenizer, prompt), params)
-    completion = TextCompletion(services, token_texts(request, services) if params.logprobs else None)
+    completion = TextCompletion(services, services.sessions.token_texts if params.logprobs else None)
     if stream:
         options = data.get("stream_options") or {}
         include_usage = isinstance(options, dict) and bool(options.get("include_usage"))

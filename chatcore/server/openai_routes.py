@@ -21,9 +21,9 @@ from chatcore.engine.outputs import RequestOutput, TokenLogprob
 from chatcore.engine.request import SamplingParams
 from chatcore.engine.scheduler import QueueFull, RequestRejected
 from chatcore.server.errors import ApiError
-from chatcore.server.params import sampling_params
+from chatcore.server.params import compile_response_format, sampling_params
 from chatcore.server.services import Services
-from chatcore.server.token_logprobs import TokenTexts, chat_content
+from chatcore.engine.token_logprobs import TokenTexts, chat_content
 from chatcore.server.ws import arm_grace
 from chatcore.turnlog import log_turn
 
@@ -33,14 +33,13 @@ OPENAI_PARAMS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", 
                  "tool_choice", "parallel_tool_calls", "metadata", "store", "service_tier", "top_k", "ignore_eos"}
 # The request fields that become `SamplingParams` (see chatcore/server/params.py), besides max_tokens.
 SAMPLING_FIELDS = ("temperature", "top_p", "n", "seed", "stop", "top_k", "ignore_eos", "presence_penalty",
-                   "frequency_penalty", "repetition_penalty", "logit_bias")
+                   "frequency_penalty", "repetition_penalty", "logit_bias", "response_format")
 ROLES = {"system", "user", "assistant", "developer"}
 
 
 # OpenAI fields chatcore does not implement. Each is accepted only at the value that asks for nothing
 # (clients that send every default keep working) and is otherwise refused, never silently dropped.
 UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
-    "response_format": lambda v: v == {"type": "text"},
     "tools": lambda v: v == [],
     "tool_choice": lambda v: v == "none",
     "parallel_tool_calls": lambda v: isinstance(v, bool),  # says nothing without tools
@@ -87,14 +86,6 @@ def finish_reason(reason: str) -> str:
 def check_user(data: dict[str, Any]) -> None:
     if data.get("user") is not None and not isinstance(data["user"], str):
         raise ApiError("bad_request", "user must be a string")
-
-
-def token_texts(request: Request[Any, Any, Any], services: Services) -> TokenTexts:
-    """The server's one `TokenTexts`, made when a request first asks for log-probs."""
-    state = request.app.state
-    if "token_texts" not in state:
-        state.token_texts = TokenTexts(services.engine.tokenizer)
-    return state.token_texts
 
 
 def usage(prompt: int, cached: int, completion: int) -> dict[str, Any]:
@@ -220,6 +211,8 @@ async def chat_completions(request: Request[Any, Any, Any], data: dict[str, Any]
         raw["max_tokens"] = max_tokens
     params = sampling_params(raw, services.settings, allowed=set(raw), vocab_size=services.engine.core.vocab_size,
                              default_temperature=1.0, default_max_tokens=512)
+    grammars = services.engine.core.grammars
+    await services.sessions.tokenize(lambda: compile_response_format(grammars, params.response_format))
     check_user(data)
     session_id = request.headers.get("x-session-id")
     if session_id:
@@ -230,7 +223,7 @@ async def chat_completions(request: Request[Any, Any, Any], data: dict[str, Any]
     else:
         engine = services.engine
         events = engine_events(services, principal.tenant_id, lambda: engine.chat_prompt(messages), params)
-    completion = Completion(services, token_texts(request, services) if params.logprobs else None)
+    completion = Completion(services, services.sessions.token_texts if params.logprobs else None)
     stream = data.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError("bad_request", "stream must be a boolean")

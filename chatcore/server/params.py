@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from chatcore.config import Settings
+from chatcore.engine.grammar import GrammarError, Grammars, ResponseFormat, parse_response_format
 from chatcore.engine.request import MAX_TOP_LOGPROBS, SamplingParams
 from chatcore.server.errors import ApiError
 
@@ -14,7 +15,8 @@ MAX_STOPS = 4
 MAX_STOP_CHARS = 64
 MAX_LOGIT_BIAS = 300
 SHAPING_PARAMS = {"presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"}
-WS_PARAMS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "ignore_eos"} | SHAPING_PARAMS
+WS_PARAMS = ({"max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "ignore_eos", "logprobs",
+              "top_logprobs", "response_format"} | SHAPING_PARAMS)
 
 
 def _int(name: str, value: Any, low: int, high: int) -> int:
@@ -106,7 +108,23 @@ def sampling_params(raw: Any, settings: Settings, *, allowed: set[str] = WS_PARA
         penalties["repetition_penalty"] = _float("repetition_penalty", raw["repetition_penalty"], 0.0, 2.0,
                                                  low_open=True)
     logprobs, top_logprobs = _logprobs(raw)
+    try:
+        response_format = parse_response_format(raw.get("response_format"))
+    except ValueError as exc:
+        raise ApiError("bad_request", str(exc)) from exc
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
                           stop=parse_stop(raw.get("stop")), ignore_eos=ignore_eos,
                           logit_bias=parse_logit_bias(raw.get("logit_bias"), vocab_size),
-                          logprobs=logprobs, top_logprobs=top_logprobs, **penalties)
+                          logprobs=logprobs, top_logprobs=top_logprobs, response_format=response_format,
+                          **penalties)
+
+
+def compile_response_format(grammars: Grammars, fmt: ResponseFormat | None) -> None:
+    """Compile a request's grammar now (off the event loop: the first one builds the vocabulary's
+    tables), so that a schema the compiler cannot use is a 400, not a failed turn."""
+    if fmt is None:
+        return
+    try:
+        grammars.compile(fmt)
+    except GrammarError as exc:
+        raise ApiError("bad_request", f"response_format: {exc}") from exc

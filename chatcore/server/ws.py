@@ -26,7 +26,7 @@ from chatcore.server.auth import (
     presented_key,
 )
 from chatcore.server.errors import ApiError, from_session_error
-from chatcore.server.params import sampling_params
+from chatcore.server.params import compile_response_format, sampling_params
 from chatcore.server.services import Services
 from chatcore.sessions.manager import SessionError
 from chatcore.sessions.state import SessionState
@@ -250,7 +250,10 @@ class Connection:
         content = frame.get("content")
         if not isinstance(content, str) or not content.strip():
             raise ApiError("bad_request", "'content' must be a non-empty string")
-        params = sampling_params(frame.get("params"), self.services.settings)
+        services = self.services
+        params = sampling_params(frame.get("params"), services.settings, vocab_size=services.engine.core.vocab_size)
+        grammars = services.engine.core.grammars
+        await services.sessions.tokenize(lambda: compile_response_format(grammars, params.response_format))
         # An idle session may have gone cold (dropped from memory) while this socket stayed attached:
         # run the turn on the session's live state, never on the old object (that would fork the session).
         state = await self.services.sessions.open(self.principal.tenant_id, state.id)

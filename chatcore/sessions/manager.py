@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from chatcore.config import Settings
 from chatcore.engine.engine import AsyncEngine
+from chatcore.engine.token_logprobs import TokenTexts
 from chatcore.metrics import Metrics
 from chatcore.sessions.disk_tier import DiskTier
 from chatcore.sessions.leases import LeaseKeeper
@@ -74,6 +75,7 @@ class SessionManager:
         loaded = engine.core.loaded
         self.fingerprint = loaded.fingerprint
         self.template = ChatTemplate(loaded.tokenizer, loaded.stop_token_ids)
+        self.token_texts = TokenTexts(loaded.tokenizer)  # log-probs' token texts, for every route
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatcore-tokenize")
         self.pins = PinRegistry(settings.hot_window_s)
         self.live: dict[str, SessionState] = {}

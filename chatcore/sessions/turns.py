@@ -29,6 +29,7 @@ from chatcore.engine.core import EngineCore
 from chatcore.engine.outputs import RequestOutput
 from chatcore.engine.request import Request, SamplingParams
 from chatcore.engine.scheduler import QueueFull, RequestRejected
+from chatcore.engine.token_logprobs import chat_content
 from chatcore.sessions.leases import LeaseLost
 from chatcore.sessions.manager import Busy, Conflict, TooLarge
 from chatcore.sessions.state import HISTORY_REASONS, SessionState
@@ -148,7 +149,10 @@ class TurnRunner:
                     async with aclosing(self.engine.generate(req)) as stream:
                         async for out in stream:
                             for delta in out.deltas:
-                                if delta.text:
+                                if delta.logprobs:
+                                    frames.emit({"type": "token", "index": delta.index, "text": delta.text,
+                                                 "logprobs": chat_content(self.m.token_texts, delta.logprobs)})
+                                elif delta.text:
                                     frames.emit({"type": "token", "index": delta.index, "text": delta.text})
                             if out.finished:
                                 final = out

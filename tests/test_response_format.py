@@ -1,0 +1,146 @@
+"""`response_format` (JSON, and JSON a schema validates) by grammar-constrained decoding: in the engine,
+on `/v1/chat/completions` with the official `openai` client, and as WebSocket params."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import jsonschema
+import openai
+import pytest
+
+from chatcore.cache.audit import audit
+from chatcore.config import Settings
+from chatcore.engine.grammar import GrammarError, ResponseFormat, parse_response_format
+from chatcore.engine.request import SamplingParams
+from tests.engine_helpers import add_all, chat_ids, run_to_end
+from tests.inprocess_server import InProcessServer, serve
+from tests.server_helpers import hello, recv_until, turn
+
+pytestmark = pytest.mark.model
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 24}, "population": {"type": "integer", "minimum": 0,
+                                                                              "maximum": 100_000_000},
+                   "capital": {"type": "boolean"}, "rating": {"enum": ["low", "medium", "high"]}},
+    "required": ["city", "population", "capital", "rating"],
+    "additionalProperties": False,
+}
+QUESTIONS = ["Describe Paris as JSON: its name, population, whether it is a capital, and a rating.",
+             "Tell me about a small fishing town, as JSON.",
+             "What is your favourite city? Answer in JSON."]
+OK_OBJECT = "Give me a JSON object with a key 'ok' set to true."
+
+
+def schema_format(schema: dict) -> ResponseFormat:
+    fmt = parse_response_format({"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    assert fmt is not None
+    return fmt
+
+
+def test_the_engine_only_emits_json_the_schema_validates(make_core, loaded_fp32) -> None:
+    """Greedy and sampled (n=2) requests in one batch; the unconstrained one beside them is untouched."""
+    core = make_core()
+    tok = loaded_fp32.tokenizer
+    fmt = schema_format(CITY)
+    constrained = [core.make_request(chat_ids(tok, q), SamplingParams(max_tokens=96, response_format=fmt))
+                   for q in QUESTIONS]
+    sampled = core.make_request(chat_ids(tok, QUESTIONS[0]),
+                                SamplingParams(max_tokens=96, temperature=1.0, seed=7, n=2, response_format=fmt))
+    plain = core.make_request(chat_ids(tok, QUESTIONS[0]), SamplingParams(max_tokens=12))
+    add_all(core, [*constrained, sampled, plain])
+    outs = run_to_end(core)
+    answers = [c for r in [*constrained, sampled] for c in outs[r.request_id].outputs]
+    assert len(answers) == 5
+    for answer in answers:
+        assert answer.finish_reason == "stop", answer
+        jsonschema.validate(json.loads(answer.text), CITY)
+    alone = make_core()  # the unconstrained request's answer equals one computed alone
+    reference = alone.make_request(chat_ids(tok, QUESTIONS[0]), SamplingParams(max_tokens=12))
+    add_all(alone, [reference])
+    assert outs[plain.request_id].outputs[0].token_ids == run_to_end(alone)[reference.request_id].outputs[0].token_ids
+
+
+def test_json_object_ends_when_the_object_is_complete_even_with_eos_ignored(make_core, loaded_fp32) -> None:
+    core = make_core()
+    req = core.make_request(chat_ids(loaded_fp32.tokenizer, OK_OBJECT),
+                            SamplingParams(max_tokens=64, ignore_eos=True,
+                                           response_format=ResponseFormat("json_object")))
+    add_all(core, [req])
+    answer = run_to_end(core)[req.request_id].outputs[0]
+    assert answer.finish_reason == "stop"
+    assert isinstance(json.loads(answer.text), dict)
+
+
+def test_schemas_are_checked_before_anything_runs(make_core) -> None:
+    core = make_core()
+    with pytest.raises(GrammarError, match='Unsupported type "frob"'):
+        core.grammars.compile(schema_format({"type": "frob"}))
+    for bad in ({"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": []}},
+                {"type": "yaml"}, {"type": "json_object", "schema": {}}, "json"):
+        with pytest.raises(ValueError):
+            parse_response_format(bad)
+    assert parse_response_format({"type": "text"}) is None
+
+
+@pytest.fixture(scope="module")
+async def server(tmp_path_factory, loaded_fp32) -> AsyncIterator[InProcessServer]:
+    settings = Settings(data_dir=tmp_path_factory.mktemp("response-format"), dtype="float32", num_blocks=256,
+                        kv_disk_gb=0)
+    async with serve(settings, loaded_fp32) as running:  # audits the pool when the module ends
+        yield running
+
+
+@pytest.fixture
+async def client(server: InProcessServer) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="anything",
+                                  max_retries=0, timeout=120) as api:
+        yield api
+    report = await server.services.engine.call(lambda core: audit(core.pool))
+    assert report.ok, report.format()
+
+
+async def test_json_schema_with_the_official_client_plain_and_streamed(client) -> None:
+    response_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    messages = [{"role": "user", "content": QUESTIONS[1]}]
+    answer = await client.chat.completions.create(model="chatcore", messages=messages, temperature=0, max_tokens=96,
+                                                  response_format=response_format)
+    assert answer.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.choices[0].message.content), CITY)
+    stream = await client.chat.completions.create(model="chatcore", messages=messages, temperature=0, max_tokens=96,
+                                                  response_format=response_format, stream=True)
+    text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+    assert text == answer.choices[0].message.content
+    obj = await client.chat.completions.create(model="chatcore", temperature=0, max_tokens=64,
+                                               messages=[{"role": "user", "content": OK_OBJECT}],
+                                               response_format={"type": "json_object"})
+    assert obj.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize(("response_format", "message"), [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}, "frob"),
+    ({"type": "json_schema", "json_schema": {"name": "x"}}, "schema"),
+    ({"type": "xml"}, "response_format.type"),
+])
+async def test_a_schema_that_cannot_be_used_is_a_400(client, response_format, message) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(model="chatcore", messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=4, response_format=response_format)
+    assert message in refused.value.response.json()["error"]["message"]
+
+
+async def test_response_format_as_a_websocket_param(server) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    async with server.connect() as ws:
+        await hello(ws)
+        text, done = await turn(ws, QUESTIONS[2], {"temperature": 0, "max_tokens": 96, "response_format": fmt})
+        assert done["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(text), CITY)
+        await ws.send(json.dumps({"type": "user", "id": "bad", "content": "Hi",
+                                  "params": {"response_format": {"type": "json_schema", "json_schema": {
+                                      "schema": {"type": "frob"}}}}}))
+        frames = await recv_until(ws, "error")
+        assert frames[-1]["code"] == "bad_request" and "frob" in frames[-1]["message"]
