@@ -38,9 +38,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from chatcore.config import Settings
+from chatcore.resources import NGINX_TEMPLATE
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-NGINX_TEMPLATE = REPO_ROOT / "deploy" / "nginx.conf"
 PG_USER = "chatcore"
 PG_OS_USER = "postgres"  # PostgreSQL refuses to run as root; when we are root, it runs as this user
 LOG_TAIL_LINES = 40

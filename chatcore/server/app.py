@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 from litestar import Litestar, MediaType, Request, Response, Router, get
@@ -17,6 +16,7 @@ from litestar.static_files import create_static_files_router
 
 from chatcore.config import Settings
 from chatcore.models.loader import LoadedModel
+from chatcore.resources import WEB_DIR
 from chatcore.server import (
     completions_routes,
     openai_routes,
@@ -37,7 +37,6 @@ from chatcore.server.ws import chat_socket, origin_allowed
 from chatcore.sessions.manager import SessionError
 
 log = logging.getLogger(__name__)
-WEB_DIR = Path(__file__).resolve().parents[2] / "web"
 
 
 @get("/", media_type=MediaType.HTML, include_in_schema=False)

@@ -3,9 +3,9 @@
 `create_engine` is the only place that opens databases: on SQLite it turns on
 foreign keys (and WAL for files) for every new connection, which the schema's
 `ON DELETE CASCADE` relies on. Migrations run through Alembic with the scripts in
-the repository's `migrations/` folder; `run_migrations` and `downgrade` are
-synchronous (Alembic's async env.py calls `asyncio.run`), so code already inside
-an event loop awaits `migrate` instead.
+the repository's `migrations/` folder (a wheel carries a copy: chatcore/resources.py);
+`run_migrations` and `downgrade` are synchronous (Alembic's async env.py calls
+`asyncio.run`), so code already inside an event loop awaits `migrate` instead.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
-MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+from chatcore.resources import MIGRATIONS_DIR
 
 
 def _sqlite_file(url: URL) -> Path | None:
@@ -77,7 +77,7 @@ def alembic_config(url: str) -> Config:
     """An Alembic config for `url` built in code; `migrations/env.py` reads the URL
     from `config.attributes["database_url"]` (no ini interpolation of `%` in passwords)."""
     if not (MIGRATIONS_DIR / "env.py").is_file():
-        raise FileNotFoundError(f"Alembic scripts not found at {MIGRATIONS_DIR}; install chatcore from its repository")
+        raise FileNotFoundError(f"Alembic scripts not found at {MIGRATIONS_DIR}; this chatcore was installed without them")
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     config.attributes["database_url"] = url
