@@ -19,6 +19,7 @@ from chatcore.models.loader import LoadedModel
 from chatcore.resources import WEB_DIR
 from chatcore.server import (
     completions_routes,
+    import_routes,
     openai_routes,
     ops_routes,
     session_routes,
@@ -96,6 +97,7 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> Litesta
                 openai_routes.list_models,
                 session_routes.list_sessions,
                 session_routes.create_session,
+                import_routes.import_session,
                 session_routes.get_session,
                 session_routes.rename_session,
                 session_routes.rotate_token,
