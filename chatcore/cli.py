@@ -1,6 +1,9 @@
 """The `chatcore` command line. Each subcommand imports its module lazily, so `--help` stays fast.
 
-Flags whose `dest` matches a `Settings` field override the environment (`CHATCORE_*`).
+Settings flags are generated from `Settings` (`chatcore.config_flags`): commands that run the model or a
+server (serve, generate, bench) and `config show` take every setting; the database commands (migrate,
+keys) take the database's; `model fetch` takes the cache folder. Flags win over the environment, which
+wins over the config file (`--config`, `CHATCORE_CONFIG` or ./chatcore.toml).
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from chatcore.config import DEFAULT_MODEL, Settings, load_settings
+from chatcore.config import DEFAULT_MODEL, CONFIG_ENV, CONFIG_FILE, ConfigError, Settings, load_config
+from chatcore.config_flags import add_settings_flags
 from chatcore.models.errors import ModelUnavailable
 
 Handler = Callable[[argparse.Namespace, Settings], int]
@@ -72,41 +76,23 @@ def _bench(args: argparse.Namespace, settings: Settings) -> int:
     return bench_command(args, settings)
 
 
+def _config_show(args: argparse.Namespace, settings: Settings) -> int:
+    from chatcore.config_show import render
+
+    print(render(args.config_loaded))
+    return 0
+
+
 PRIVATE_COMMANDS = {"serve", "migrate", "keys"}  # cluster: its replicas are `serve` processes
 DEVICE_COMMANDS = {"serve", "generate", "bench"}
-
-
-def _gb_or_auto(value: str) -> float | str:
-    if value == "auto":
-        return value
-    try:
-        return float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of GiB or 'auto', not {value!r}") from None
-
-
-def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="a local Hugging Face folder, a hub id (org/name) from the "
-                        "local HF cache, or 'default' (CHATCORE_MODEL)")
-    parser.add_argument("--device", default=None,
-                        help="auto (cuda when there is a GPU, else cpu), cpu, cuda or cuda:N (CHATCORE_DEVICE)")
-    parser.add_argument("--gpu-memory-fraction", dest="gpu_memory_fraction", type=float, default=None,
-                        help="on CUDA: the share of the GPU memory free after loading that the KV pool takes "
-                        "when --kv-cache-gb is auto (CHATCORE_GPU_MEMORY_FRACTION, 0.85)")
-    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--kv-dtype", dest="kv_dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                        help="KV cache storage dtype; auto: the model's (CHATCORE_KV_DTYPE)")
-    parser.add_argument("--block-size", dest="block_size", type=int, default=None)
-    parser.add_argument("--kv-cache-gb", dest="kv_cache_gb", type=_gb_or_auto, default=None,
-                        help="KV pool budget in GiB, or auto")
-    parser.add_argument("--num-blocks", dest="num_blocks", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (0: torch's default)")
+STORE_SETTINGS = ("database_url", "sqlite_synchronous")  # with --data-dir, before the command
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="chatcore", description="A multi-session chat server with a paged KV cache.")
-    parser.add_argument("--cache-dir", dest="cache_dir", default=None, help="converted models (CHATCORE_CACHE_DIR)")
-    parser.add_argument("--data-dir", dest="data_dir", default=None, help="database and disk tier (CHATCORE_DATA_DIR)")
+    parser.add_argument("--config", default=None, metavar="PATH",
+                        help=f"a TOML file of settings ({CONFIG_ENV}; default: ./{CONFIG_FILE} if present)")
+    add_settings_flags(parser, ("cache_dir", "data_dir"))
     sub = parser.add_subparsers(dest="command", required=True)
 
     model = sub.add_parser("model", help="manage models")
@@ -126,11 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--n", type=int, default=1)
     gen.add_argument("--beam-width", dest="beam_width", type=int, default=1)
     gen.add_argument("--json", dest="as_json", action="store_true", help="print one JSON object")
-    _add_engine_flags(gen)
+    add_settings_flags(gen.add_argument_group("settings"))
     gen.set_defaults(handler=_generate)
 
     mig = sub.add_parser("migrate", help="upgrade the database to the newest schema")
-    mig.add_argument("--database-url", dest="database_url", default=None)
+    add_settings_flags(mig, STORE_SETTINGS)
     mig.set_defaults(handler=_migrate)
 
     keys = sub.add_parser("keys", help="manage API keys")
@@ -138,29 +124,19 @@ def build_parser() -> argparse.ArgumentParser:
     create = keys_sub.add_parser("create", help="create an API key and print it once")
     create.add_argument("--tenant", required=True)
     create.add_argument("--admin", action="store_true", help="the key may read /v1/admin/*")
-    create.add_argument("--database-url", dest="database_url", default=None)
+    add_settings_flags(create, STORE_SETTINGS)
     create.set_defaults(handler=_keys_create)
     listing = keys_sub.add_parser("list", help="list API keys (ids, tenants, prefixes; never the keys)")
     listing.add_argument("--tenant", default=None, help="only this tenant's keys")
-    listing.add_argument("--database-url", dest="database_url", default=None)
+    add_settings_flags(listing, STORE_SETTINGS)
     listing.set_defaults(handler=_keys_list)
     revoke = keys_sub.add_parser("revoke", help="revoke an API key by its id")
     revoke.add_argument("key_id", help="the key's id, from `chatcore keys list`")
-    revoke.add_argument("--database-url", dest="database_url", default=None)
+    add_settings_flags(revoke, STORE_SETTINGS)
     revoke.set_defaults(handler=_keys_revoke)
 
     serve = sub.add_parser("serve", help="serve the UI, the WebSocket API and the OpenAI-compatible API")
-    serve.add_argument("--host", default=None)
-    serve.add_argument("--port", type=int, default=None)
-    serve.add_argument("--database-url", dest="database_url", default=None)
-    serve.add_argument("--kv-disk-gb", dest="kv_disk_gb", type=_gb_or_auto, default=None,
-                       help="disk tier budget in GiB (0: off), or auto")
-    serve.add_argument("--eviction-policy", dest="eviction_policy", default=None, choices=["session", "cost", "lru"])
-    serve.add_argument("--insecure-open-mode", dest="insecure_open_mode", action="store_true", default=None,
-                       help="serve without API keys off loopback: anyone who reaches it can use it")
-    serve.add_argument("--metrics-auth", dest="metrics_auth", default=None, choices=["key", "open"],
-                       help="key: /metrics needs an API key in keyed mode (the default); open: anyone may scrape it")
-    _add_engine_flags(serve)
+    add_settings_flags(serve)
     serve.set_defaults(handler=_serve)
 
     cluster = sub.add_parser("cluster", help="run replicas behind nginx on loopback (docs/deploy.md)")
@@ -180,21 +156,29 @@ def build_parser() -> argparse.ArgumentParser:
                        help="exit 0 even when a target is missed (report only)")
     bench.add_argument("--sessions", default=None, help="sessions suite: session counts, e.g. 16,64,256")
     bench.add_argument("--turns", type=int, default=None, help="sessions suite: turns per session")
-    bench.add_argument("--kv-disk-gb", dest="kv_disk_gb", type=_gb_or_auto, default=None,
-                       help="sessions suite: the disk tier budget of its default-tier runs (GiB, 0: off, auto)")
-    _add_engine_flags(bench)
+    add_settings_flags(bench.add_argument_group("settings (the sessions suite reads --kv-cache-gb and --kv-disk-gb "
+                                                "for its default-tier runs)"))
     bench.set_defaults(handler=_bench)
+
+    config = sub.add_parser("config", help="inspect the settings")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser("show", help="print every effective setting and where it came from "
+                                 "(flag, env, file, default), secrets redacted")
+    add_settings_flags(show)
+    show.set_defaults(handler=_config_show)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    overrides = {key: getattr(args, key, None) for key in Settings.model_fields}
     try:
-        settings = load_settings(**overrides)
-    except ValueError as exc:
-        parser.error(str(exc))
+        args.config_loaded = load_config({key: getattr(args, key, None) for key in Settings.model_fields},
+                                         args.config)
+    except ConfigError as exc:
+        print(f"chatcore: {exc}", file=sys.stderr)
+        return 2
+    settings = args.config_loaded.settings
     handler: Handler = args.handler
     if args.command in DEVICE_COMMANDS:
         from chatcore.models.device import DeviceUnavailable, resolve_device

@@ -1,39 +1,51 @@
-"""The one settings object. Every field reads `CHATCORE_<NAME>` from the environment.
+"""The one settings object, and where each value came from.
 
-CLI flags override the environment through `Settings.model_copy(update=...)`.
-Defaults work on a laptop: loopback only, SQLite in the user's data directory, and KV
-tiers sized from the machine (`chatcore.kv.sizing`).
+`load_config` layers, highest first: CLI flags, the environment (`CHATCORE_<NAME>`), a TOML file
+(`--config PATH`, else `CHATCORE_CONFIG`, else `chatcore.toml` in the working directory), the defaults.
+`Settings()` alone reads the environment and the defaults. Defaults work on a laptop: loopback only,
+SQLite in the user's data directory, and KV tiers sized from the machine (`chatcore.kv.sizing`).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings.exceptions import SettingsError
 
 DEFAULT_MODEL = "default"
+CONFIG_ENV = "CHATCORE_CONFIG"
+CONFIG_FILE = "chatcore.toml"
+Source = Literal["default", "file", "env", "flag"]
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CHATCORE_", extra="ignore")
 
     # Network.
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = Field("127.0.0.1", description="address to listen on; open mode (no API keys) refuses a non-loopback "
+                      "one unless insecure_open_mode is set")
+    port: int = Field(8000, description="port to listen on")
 
     # Model and compute.
-    model: str = DEFAULT_MODEL
+    model: str = Field(DEFAULT_MODEL, description="a local Hugging Face folder, a hub id (org/name) from the local HF "
+                       "cache, or 'default' (the converted SmolLM2)")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
                         description="auto: cuda when torch sees a GPU, else cpu; or cpu, cuda, cuda:N")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="model dtype; auto: bfloat16 on a GPU that supports it (else float16), on the CPU "
+        "bfloat16 with AVX-512 BF16/AMX, else float32")
     kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="KV cache storage dtype; auto: the model's dtype (exact)")
     threads: int = Field(0, description="torch threads; 0 keeps torch's default")
 
     # KV cache.
-    block_size: int = Field(16, ge=1)
+    block_size: int = Field(16, ge=1, description="tokens per KV block")
     kv_cache_gb: Annotated[float, Field(gt=0)] | Literal["auto"] = Field(
         "auto", description="KV pool budget in GiB; auto: a quarter of the available RAM on the CPU, "
         "gpu_memory_fraction of the free GPU memory on CUDA")
@@ -41,37 +53,37 @@ class Settings(BaseSettings):
     gpu_memory_fraction: float = Field(
         0.85, gt=0, le=1, description="on CUDA with kv_cache_gb=auto: the share of the GPU memory left after "
         "loading the model that the KV pool takes")
-    low_watermark: float = Field(0.15, ge=0, lt=1)
-    high_watermark: float = Field(0.30, ge=0, lt=1)
+    low_watermark: float = Field(0.15, ge=0, lt=1, description="share of free blocks below which admission stops")
+    high_watermark: float = Field(0.30, ge=0, lt=1, description="share of free blocks above which the pool may shrink")
     cache_scope: Literal["global", "tenant"] = Field(
         "tenant", description="tenant: prefix blocks are shared within a tenant only; global: across tenants, "
         "which lets one tenant learn, from cached_tokens or timing, whether another's prompt starts with a guess")
     eviction_policy: Literal["lru", "cost", "session"] = Field(
         "session", description="session: whole conversations, the one expected back last first")
-    debug_audit: bool = False
+    debug_audit: bool = Field(False, description="audit the cache after every engine step")
 
     # Scheduler.
     max_batch_tokens: int = Field(512, ge=16, description="tokens per engine step")
-    max_num_seqs: int = Field(64, ge=1)
-    max_queue_wait_s: float = Field(30.0, gt=0)
+    max_num_seqs: int = Field(64, ge=1, description="running sequences per engine step at most")
+    max_queue_wait_s: float = Field(30.0, gt=0, description="a request waiting longer fails with busy")
     max_waiting_requests: int = Field(1024, ge=1, description="requests queued for the engine at most; past it: busy")
 
     # Paths.
-    cache_dir: Path = Path("~/.cache/chatcore")
-    data_dir: Path = Path("~/.local/share/chatcore")
-    database_url: str | None = None
+    cache_dir: Path = Field(Path("~/.cache/chatcore"), description="converted models")
+    data_dir: Path = Field(Path("~/.local/share/chatcore"), description="database and disk tier")
+    database_url: str | None = Field(None, description="any SQLAlchemy async URL; default: SQLite in data_dir")
     sqlite_synchronous: Literal["NORMAL", "FULL"] = Field(
         "NORMAL", description="NORMAL: a power loss may lose the last acknowledged turns; FULL: fsync every commit")
-    kv_disk_dir: Path | None = None
+    kv_disk_dir: Path | None = Field(None, description="disk tier folder; default: kv under data_dir")
     kv_disk_gb: Annotated[float, Field(ge=0)] | Literal["auto"] = Field(
         "auto", description="disk tier budget in GiB (0: off); auto: a fifth of the free disk, 1-64 GiB")
 
     # Sessions.
-    hot_window_s: float = Field(30.0, ge=0)
-    max_hot_sessions: int = Field(256, ge=1)
+    hot_window_s: float = Field(30.0, ge=0, description="seconds a session stays pinned after its turn")
+    max_hot_sessions: int = Field(256, ge=1, description="sessions pinned at once at most")
     pinned_kv_fraction: float = Field(0.5, gt=0, le=1, description="share of the pool hot sessions may pin")
-    warm_idle_s: float = Field(600.0, ge=0)
-    disconnect_grace_s: float = Field(30.0, ge=0)
+    warm_idle_s: float = Field(600.0, ge=0, description="idle seconds before a session goes cold")
+    disconnect_grace_s: float = Field(30.0, ge=0, description="a turn whose client left is cancelled after this")
     context_policy: Literal["truncate", "reject"] = Field(
         "truncate", description="a session turn that would overflow the context: truncate drops its oldest "
         "exchanges from the model's view (never the system prompt); reject refuses it (too_large)")
@@ -83,20 +95,26 @@ class Settings(BaseSettings):
     lease_s: float = Field(15.0, gt=0, description="a session lease lapses this long after its last renewal")
 
     # Limits.
-    max_frame_bytes: int = Field(65536, ge=256)
-    max_message_tokens: int = Field(4096, ge=1)
-    max_tokens_limit: int = Field(2048, ge=1)
+    max_frame_bytes: int = Field(65536, ge=256, description="largest WebSocket frame a client may send")
+    max_message_tokens: int = Field(4096, ge=1, description="tokens in one user message at most")
+    max_tokens_limit: int = Field(2048, ge=1, description="the largest max_tokens a request may ask for")
     max_context: int | None = Field(
         None, ge=32, description="tokens of context per sequence (prompt + answer); default: the model's window")
-    max_sessions_per_tenant: int = Field(1000, ge=1)
-    max_turns_per_tenant: int = Field(16, ge=1)
-    allowed_origins: list[str] = Field(default_factory=list)
+    max_sessions_per_tenant: int = Field(1000, ge=1, description="stored sessions per tenant at most")
+    max_turns_per_tenant: int = Field(16, ge=1, description="turns running at once per tenant at most; past it: busy")
+    allowed_origins: list[str] = Field(default_factory=list, description="browser origins allowed besides the "
+                                       "server's own, for HTTP (with CORS headers) and the WebSocket")
     allowed_hosts: list[str] = Field(default_factory=list, description="Host names open mode answers besides loopback")
     insecure_open_mode: bool = Field(
         False, description="serve without API keys even off loopback (a bind address or ALLOWED_HOSTS): no access control")
     metrics_auth: Literal["key", "open"] = Field(
         "key", description="key: in keyed mode /metrics needs an API key, as every other route (a scraper's "
         "Bearer key); open: /metrics answers anyone. Open mode has no keys, so /metrics is open there either way")
+
+    # Logs.
+    log_format: Literal["text", "json"] = Field(
+        "text", description="text: one readable line per record; json: one JSON object per line, with a turn's "
+        "fields as keys")
 
     @model_validator(mode="after")
     def _expand(self) -> "Settings":
@@ -119,8 +137,72 @@ class Settings(BaseSettings):
         return self.kv_disk_dir if self.kv_disk_dir is not None else self.data_dir / "kv"
 
 
+class ConfigError(ValueError):
+    """A configuration that cannot be used, said in one line."""
+
+
+@dataclass(frozen=True)
+class Config:
+    settings: Settings
+    sources: dict[str, Source]  # per field: the layer its value came from
+    file: Path | None
+
+
+def config_file(named: str | Path | None = None) -> Path | None:
+    """The TOML file to read: `named` (--config), else CHATCORE_CONFIG, else ./chatcore.toml if present."""
+    named = named or os.environ.get(CONFIG_ENV)
+    if not named:
+        local = Path(CONFIG_FILE)
+        return local if local.is_file() else None
+    path = Path(named).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found")
+    return path
+
+
+def _file_values(path: Path) -> dict[str, Any]:
+    try:
+        values = TomlConfigSettingsSource(Settings, toml_file=path).toml_data
+    except ValueError as exc:  # tomllib.TOMLDecodeError
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    unknown = sorted(set(values) - set(Settings.model_fields))
+    if unknown:
+        raise ConfigError(f"{path}: unknown setting(s) {', '.join(unknown)} (`chatcore config show` lists them)")
+    return values
+
+
+def load_config(flags: Mapping[str, object] | None = None, config: str | Path | None = None) -> Config:
+    """Settings from flags (values that are not None) over the environment over the file over the defaults."""
+    path = config_file(config)
+    try:
+        env = EnvSettingsSource(Settings)()
+    except SettingsError as exc:
+        raise ConfigError(str(exc)) from None
+    layers: dict[Source, dict[str, Any]] = {
+        "flag": {k: v for k, v in (flags or {}).items() if v is not None},
+        "env": env,
+        "file": _file_values(path) if path else {},
+    }
+    sources: dict[str, Source] = {name: next((s for s, values in layers.items() if name in values), "default")
+                                  for name in Settings.model_fields}
+    try:
+        settings = Settings(**{**layers["file"], **layers["env"], **layers["flag"]})
+    except ValidationError as exc:
+        raise ConfigError(_one_line(exc, sources, path)) from None
+    return Config(settings, sources, path)
+
+
+def _one_line(exc: ValidationError, sources: Mapping[str, Source], path: Path | None) -> str:
+    """Each problem as `name (from where): what is wrong`, the offending values left out (they may be secrets)."""
+    where = {"default": "default", "file": f"file {path}", "env": "environment", "flag": "flag"}
+    problems = []
+    for error in exc.errors():
+        name = str(error["loc"][0]) if error["loc"] else ""
+        origin = f" ({where[sources[name]]})" if name in sources else ""
+        problems.append(f"{name}{origin}: {error['msg']}" if name else error["msg"])
+    return "invalid settings: " + "; ".join(problems)
+
+
 def load_settings(**overrides: object) -> Settings:
-    """Settings from the environment, with explicit (CLI) overrides that are not None."""
-    base = Settings()
-    update = {k: v for k, v in overrides.items() if v is not None}
-    return Settings(**{**base.model_dump(), **update}) if update else base
+    """`load_config(overrides).settings`: overrides (CLI flags) that are not None win."""
+    return load_config(overrides).settings
