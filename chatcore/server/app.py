@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from litestar import Litestar, MediaType, Request, Response, Router, get
+from litestar.config.cors import CORSConfig
 from litestar.connection import ASGIConnection
 from litestar.exceptions import HTTPException
 from litestar.handlers import BaseRouteHandler
@@ -51,6 +52,21 @@ async def index() -> Response[bytes]:
 async def _require_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
     """A guard: the caller's key, as on every route docs/protocol.md does not list as open."""
     await connection.app.state.auth.principal(connection)
+
+
+# What a page on an allowed origin may send and read: the key, JSON bodies, the session headers, and
+# how long to wait after a 429.
+CORS_REQUEST_HEADERS = ["Authorization", "Content-Type", "X-Session-Id", "X-Chatcore-New-Session"]
+CORS_EXPOSED_HEADERS = ["Retry-After"]
+
+
+def cors_config(allowed_origins: list[str]) -> CORSConfig | None:
+    """CORS headers for the allowed origins, preflights answered; none without any (a CORSConfig's default
+    origin is `*`). Others get no CORS headers, and `same_origin` refuses their requests."""
+    if not allowed_origins:
+        return None
+    return CORSConfig(allow_origins=allowed_origins, allow_headers=CORS_REQUEST_HEADERS,
+                      expose_headers=CORS_EXPOSED_HEADERS)
 
 
 def create_app(settings: Settings, loaded: LoadedModel | None = None) -> Litestar:
@@ -110,6 +126,8 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> Litesta
         ],
         lifespan=[lifespan],
         before_request=same_origin,
+        cors_config=cors_config(settings.allowed_origins),
+        logging_config=None,  # `chatcore serve` configures logging (chatcore.logs), text or JSON
         exception_handlers={
             ApiError: api_error_handler,
             SessionError: session_error_handler,

@@ -12,6 +12,7 @@ import uvicorn
 from sqlalchemy.exc import DBAPIError
 
 from chatcore.config import Settings
+from chatcore.logs import configure_logging
 from chatcore.models.loader import load_model
 from chatcore.server.app import create_app
 from chatcore.store.db import create_engine, create_sessionmaker
@@ -71,7 +72,13 @@ async def _has_keys(settings: Settings) -> bool:
 
 
 def serve_command(settings: Settings) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_format)
+    if settings.log_format == "json":  # every line JSON: transformers' records to the root, no progress bars
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_default_handler()
+        hf_logging.enable_propagation()
+        hf_logging.disable_progress_bar()
     exposure = open_mode_exposure(settings)
     if exposure and not settings.insecure_open_mode and not asyncio.run(_has_keys(settings)):
         print(f"chatcore serve: no API key exists (open mode: no access control) and {exposure}; create one with "
@@ -82,6 +89,7 @@ def serve_command(settings: Settings) -> int:
     # Loaded before anything binds: a model refused at load (models/support.py) is one line and exit 2.
     app = create_app(settings, load_model(settings))
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
+                            log_config=None,  # uvicorn's records go to the root logger's format
                             ws_max_size=settings.max_frame_bytes * 4, timeout_graceful_shutdown=10)
     hygiene = LogHygiene()  # after uvicorn's logging configuration (Config sets it up)
     for name in ("uvicorn.error", "uvicorn.access"):

@@ -1,0 +1,43 @@
+"""Logging set-up for `chatcore serve`: text lines, or one JSON object per line (`log_format=json`).
+
+In JSON, a record's `extra` fields are keys of its object beside time, level, logger and message, so
+a turn's tenant, tokens and timings (`chatcore.turnlog`) need no parsing of the message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime, timezone
+from typing import Any, Literal, TextIO
+
+LogFormat = Literal["text", "json"]
+TEXT_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"  # the level first: `grep ^ERROR` finds errors
+# A LogRecord's own attributes, and uvicorn's ANSI-coloured copy of its message: not extra fields.
+_RECORD_FIELDS = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName", "color_message"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: time (UTC, ISO 8601), level, logger, message, the record's extra fields,
+    and the traceback as `exception` when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        entry.update({k: v for k, v in vars(record).items() if k not in _RECORD_FIELDS and not k.startswith("_")})
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(log_format: LogFormat, stream: TextIO | None = None) -> None:
+    """The root logger at INFO, writing `log_format` lines to `stream` (default stderr). uvicorn's loggers
+    propagate to it when uvicorn is given no logging configuration of its own (`log_config=None`)."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+
