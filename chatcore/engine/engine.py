@@ -190,9 +190,10 @@ class AsyncEngine:
     def make_request(self, prompt: list[int], params: SamplingParams, **kwargs: Any) -> Request:
         return self.core.make_request(prompt, params, **kwargs)
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of `messages` rendered by the model's chat template, with the generation prompt."""
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of `messages` (and `tools`, for a template that takes them) rendered by the model's
+        chat template, with the generation prompt."""
+        ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
                                                  return_dict=False)
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 

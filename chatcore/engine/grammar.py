@@ -30,10 +30,16 @@ COMPILED_CACHE = 64
 SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
 
 
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
+
+
 @dataclass(frozen=True, slots=True)
 class ResponseFormat:
-    kind: Literal["json_object", "json_schema"]
-    schema: str | None = None  # the schema as canonical JSON text (sorted keys), for json_schema
+    """`json_schema`: JSON the schema validates; `tool_call`: one `<tool_call>` block (chatcore/server/tools.py)
+    whose JSON the schema validates; `json_object`: any JSON object."""
+
+    kind: Literal["json_object", "json_schema", "tool_call"]
+    schema: str | None = None  # the schema as canonical JSON text (sorted keys)
 
 
 class GrammarError(ValueError):
@@ -68,9 +74,15 @@ class Grammars:
         try:
             if fmt.kind == "json_object":
                 compiled = compiler.compile_builtin_json_grammar()
-            else:
+            elif fmt.kind == "json_schema":
                 assert fmt.schema is not None
                 compiled = compiler.compile_json_schema(fmt.schema, any_whitespace=False, strict_mode=True)
+            else:
+                assert fmt.schema is not None
+                compiled = compiler.compile_grammar(xgrammar.Grammar.concat(
+                    _literal(TOOL_CALL_OPEN),
+                    xgrammar.Grammar.from_json_schema(fmt.schema, any_whitespace=False, strict_mode=True),
+                    _literal(TOOL_CALL_CLOSE)))
         except Exception as exc:  # xgrammar raises RuntimeError (and others) for what it cannot compile
             lines = str(exc).strip().splitlines()
             reason = SOURCE_PREFIX.sub("", lines[0]) if lines else type(exc).__name__
@@ -115,6 +127,10 @@ class Grammars:
         if not matcher.accept_token(token):
             raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed")
         return matcher.is_terminated()
+
+
+def _literal(text: str) -> xgrammar.Grammar:
+    return xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
 
 
 def parse_response_format(raw: Any) -> ResponseFormat | None:

@@ -133,7 +133,8 @@ async def completions(request: Request[Any, Any, Any], data: dict[str, Any]) -> 
     stream = data.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError("bad_request", "stream must be a boolean")
-    events = engine_events(services, principal.tenant_id, _prompt_ids(services.engine.tokenizer, prompt), params)
+    events = engine_events(services, principal.tenant_id, _prompt_ids(services.engine.tokenizer, prompt), params,
+                           data.get("max_tokens") is not None)
     completion = TextCompletion(services, services.sessions.token_texts if params.logprobs else None)
     if stream:
         options = data.get("stream_options") or {}

@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 from litestar import Request, Response, get, post
@@ -20,10 +21,11 @@ from litestar.response import Stream
 from chatcore.engine.outputs import RequestOutput, TokenLogprob
 from chatcore.engine.request import SamplingParams
 from chatcore.engine.scheduler import QueueFull, RequestRejected
+from chatcore.engine.token_logprobs import TokenTexts, chat_content
 from chatcore.server.errors import ApiError
 from chatcore.server.params import compile_response_format, sampling_params
 from chatcore.server.services import Services
-from chatcore.engine.token_logprobs import TokenTexts, chat_content
+from chatcore.server.tools import Tools, parse_tools, read_calls
 from chatcore.server.ws import arm_grace
 from chatcore.turnlog import log_turn
 
@@ -34,15 +36,12 @@ OPENAI_PARAMS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", 
 # The request fields that become `SamplingParams` (see chatcore/server/params.py), besides max_tokens.
 SAMPLING_FIELDS = ("temperature", "top_p", "n", "seed", "stop", "top_k", "ignore_eos", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "logit_bias", "response_format")
-ROLES = {"system", "user", "assistant", "developer"}
+ROLES = {"system", "user", "assistant", "developer", "tool"}
 
 
 # OpenAI fields chatcore does not implement. Each is accepted only at the value that asks for nothing
 # (clients that send every default keep working) and is otherwise refused, never silently dropped.
 UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
-    "tools": lambda v: v == [],
-    "tool_choice": lambda v: v == "none",
-    "parallel_tool_calls": lambda v: isinstance(v, bool),  # says nothing without tools
     "store": lambda v: v is False,
     "metadata": lambda v: v == {},
     "service_tier": lambda v: v in ("auto", "default"),
@@ -67,20 +66,53 @@ def _text(content: Any) -> str:
     raise ApiError("bad_request", "message content must be a string or a list of text parts")
 
 
-def parse_messages(raw: Any) -> list[dict[str, str]]:
+def _tool_calls(raw: Any) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls`, with their arguments as objects (as chat templates render them)."""
+    if not isinstance(raw, list) or not raw:
+        raise ApiError("bad_request", "tool_calls must be a non-empty list")
+    calls = []
+    for call in raw:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise ApiError("bad_request", "each tool call needs a function with a name and its arguments as a string")
+        try:
+            arguments = json.loads(fn["arguments"])
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise ApiError("bad_request", f"the arguments of tool call {fn['name']!r} must be a JSON object")
+        calls.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": arguments}})
+    return calls
+
+
+def parse_messages(raw: Any) -> list[dict[str, Any]]:
+    """Messages for the chat template. An assistant message may carry `tool_calls` (then its content
+    may be null), and a `tool` message answers one by its `tool_call_id`."""
     if not isinstance(raw, list) or not raw:
         raise ApiError("bad_request", "messages must be a non-empty list")
-    out = []
+    out: list[dict[str, Any]] = []
     for item in raw:
         if not isinstance(item, dict) or item.get("role") not in ROLES:
             raise ApiError("bad_request", f"each message needs a role in {sorted(ROLES)}")
         role = "system" if item["role"] == "developer" else item["role"]
-        out.append({"role": role, "content": _text(item.get("content"))})
+        if role == "assistant" and item.get("tool_calls") is not None:
+            content = "" if item.get("content") is None else _text(item["content"])
+            out.append({"role": role, "content": content, "tool_calls": _tool_calls(item["tool_calls"])})
+        elif role == "tool":
+            if not isinstance(item.get("tool_call_id"), str):
+                raise ApiError("bad_request", "a tool message needs the tool_call_id it answers")
+            out.append({"role": role, "content": _text(item.get("content")), "tool_call_id": item["tool_call_id"]})
+        else:
+            out.append({"role": role, "content": _text(item.get("content"))})
     return out
 
 
+def uses_tools(messages: list[dict[str, Any]]) -> bool:
+    return any(m["role"] == "tool" or "tool_calls" in m for m in messages)
+
+
 def finish_reason(reason: str) -> str:
-    return reason if reason in ("stop", "length") else "stop"
+    return reason if reason in ("stop", "length", "tool_calls") else "stop"
 
 
 def check_user(data: dict[str, Any]) -> None:
@@ -111,11 +143,11 @@ class Completion:
             payload["usage"] = usage
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    def full(self, texts: dict[int, str], logprobs: dict[int, list[TokenLogprob]], reasons: dict[int, str],
-             usage: dict[str, Any]) -> dict[str, Any]:
+    def full(self, texts: dict[int, str], logprobs: dict[int, list[TokenLogprob]], calls: dict[int, list[Any]],
+             reasons: dict[int, str], usage: dict[str, Any]) -> dict[str, Any]:
         return {
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": texts.get(i, "")},
+            "choices": [{"index": i, "message": message(texts.get(i, ""), calls.get(i, [])),
                          "logprobs": self.logprobs(logprobs.get(i, [])),
                          "finish_reason": finish_reason(reasons.get(i, "stop"))}
                         for i in sorted(set(texts) | set(reasons))],
@@ -123,10 +155,18 @@ class Completion:
         }
 
 
+def message(text: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """An answer's message; with tool calls, its content is the text around them, or null."""
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": text.strip() or None, "tool_calls": calls}
+
+
 async def engine_events(services: Services, principal_tenant: str, prompt_of: Callable[[], list[int]],
-                        params: SamplingParams) -> AsyncIterator[tuple[str, Any]]:
+                        params: SamplingParams, max_tokens_given: bool = True) -> AsyncIterator[tuple[str, Any]]:
     """Stateless: ('delta', (index, text, logprobs or None)) events, then ('done', (reasons, usage
-    triple)). `prompt_of` gives the prompt's token ids, on the tokenizer thread."""
+    triple)). `prompt_of` gives the prompt's token ids, on the tokenizer thread. A default
+    `max_tokens` (not `max_tokens_given`) shrinks to the context the prompt leaves."""
     engine = services.engine
     active = services.sessions.active_turns  # the same per-tenant bound as session turns
     limit = services.settings.max_turns_per_tenant
@@ -136,6 +176,9 @@ async def engine_events(services: Services, principal_tenant: str, prompt_of: Ca
     final: RequestOutput | None = None
     try:
         prompt = await services.sessions.tokenize(prompt_of)
+        context = engine.core.scheduler.max_context
+        if not max_tokens_given and len(prompt) < context:
+            params = replace(params, max_tokens=min(params.max_tokens, context - len(prompt)))
         request = engine.make_request(prompt, params, scope_key=services.sessions.scope_key(principal_tenant))
         try:
             engine.core.scheduler.check_fits(request)
@@ -167,13 +210,14 @@ async def engine_events(services: Services, principal_tenant: str, prompt_of: Ca
     yield "done", (reasons, (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens))
 
 
-async def _session_events(services: Services, tenant_id: str, session_id: str, messages: list[dict[str, str]],
-                          params: SamplingParams) -> AsyncIterator[tuple[str, Any]]:
+async def _session_events(services: Services, tenant_id: str, session_id: str, messages: list[dict[str, Any]],
+                          params: SamplingParams, max_tokens_given: bool) -> AsyncIterator[tuple[str, Any]]:
     """With X-Session-Id: the last user message is the session's next turn."""
     if messages[-1]["role"] != "user":
         raise ApiError("bad_request", "with X-Session-Id the last message must be the user's new turn")
     state = await services.sessions.open(tenant_id, session_id)
-    frames = await services.turns.start(state, messages[-1]["content"], params, client_id=None)
+    frames = await services.turns.start(state, messages[-1]["content"], params, client_id=None,
+                                        max_tokens_given=max_tokens_given)
     queue = frames.subscribe(None)
     error = ApiError("internal", "the turn failed")
     try:
@@ -196,6 +240,15 @@ async def _session_events(services: Services, tenant_id: str, session_id: str, m
             arm_grace(services, state)  # the HTTP client left mid-answer, like a dropped socket
 
 
+def _tools(services: Services, data: dict[str, Any], messages: list[dict[str, Any]]) -> Tools | None:
+    """The request's tools; a 400 where the model's chat template cannot take them."""
+    tools = parse_tools(data)
+    if (tools is not None or uses_tools(messages)) and not services.sessions.template.takes_tools:
+        raise ApiError("unsupported_parameter", "tools: this model's chat template does not support tools (it "
+                                                "neither shows them to the model nor defines <tool_call> blocks)")
+    return tools
+
+
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request[Any, Any, Any], data: dict[str, Any]) -> Response[Any]:
     services: Services = request.app.state.services
@@ -211,6 +264,11 @@ async def chat_completions(request: Request[Any, Any, Any], data: dict[str, Any]
         raw["max_tokens"] = max_tokens
     params = sampling_params(raw, services.settings, allowed=set(raw), vocab_size=services.engine.core.vocab_size,
                              default_temperature=1.0, default_max_tokens=512)
+    tools = _tools(services, data, messages)
+    if tools is not None and tools.grammar() is not None:
+        if params.response_format is not None:
+            raise ApiError("bad_request", "response_format cannot be combined with a required tool call")
+        params = replace(params, response_format=tools.grammar())
     grammars = services.engine.core.grammars
     await services.sessions.tokenize(lambda: compile_response_format(grammars, params.response_format))
     check_user(data)
@@ -219,10 +277,17 @@ async def chat_completions(request: Request[Any, Any, Any], data: dict[str, Any]
         if params.logprobs:
             raise ApiError("unsupported_parameter", "logprobs is not supported with X-Session-Id; leave it out "
                                                     "(or send logprobs: false)")
-        events = _session_events(services, principal.tenant_id, session_id, messages, params)
+        if tools is not None or uses_tools(messages):
+            raise ApiError("unsupported_parameter", "tools are not supported with X-Session-Id (a session keeps "
+                                                    "no tool calls); send the whole conversation instead")
+        events = _session_events(services, principal.tenant_id, session_id, messages, params, max_tokens is not None)
     else:
         engine = services.engine
-        events = engine_events(services, principal.tenant_id, lambda: engine.chat_prompt(messages), params)
+        shown = tools.for_template if tools is not None else None
+        events = engine_events(services, principal.tenant_id, lambda: engine.chat_prompt(messages, shown), params,
+                               max_tokens is not None)
+        if tools is not None and tools.choice != "none":
+            events = read_calls(events, tools)
     completion = Completion(services, services.sessions.token_texts if params.logprobs else None)
     stream = data.get("stream", False)
     if not isinstance(stream, bool):
@@ -235,14 +300,18 @@ async def chat_completions(request: Request[Any, Any, Any], data: dict[str, Any]
                       headers={"Cache-Control": "no-cache"})
     texts: dict[int, str] = {}
     logprobs: dict[int, list[TokenLogprob]] = {}
+    calls: dict[int, list[Any]] = {}
     async for kind, value in events:
         if kind == "delta":
             index, text, token_logprobs = value
             texts[index] = texts.get(index, "") + text
             logprobs.setdefault(index, []).extend(token_logprobs or ())
+        elif kind == "call":
+            index, _, call = value
+            calls.setdefault(index, []).append(call)
         else:
             reasons, (prompt, cached, completion_tokens) = value
-            return Response(completion.full(texts, logprobs, reasons, usage(prompt, cached, completion_tokens)))
+            return Response(completion.full(texts, logprobs, calls, reasons, usage(prompt, cached, completion_tokens)))
     raise ApiError("internal", "the request ended without a result")
 
 
@@ -267,6 +336,10 @@ async def _sse(completion: Completion, first: tuple[str, Any], events: AsyncIter
                 index, text, logprobs = value
                 yield completion.chunk([{"index": index, "delta": {"content": text},
                                          "logprobs": completion.logprobs(logprobs or []), "finish_reason": None}])
+            elif kind == "call":
+                index, number, call = value
+                yield completion.chunk([{"index": index, "delta": {"tool_calls": [{"index": number, **call}]},
+                                         "finish_reason": None}])
             else:
                 reasons, (prompt, cached, completion_tokens) = value
                 yield completion.chunk([{"index": i, "delta": {}, "finish_reason": finish_reason(r)}

@@ -11,12 +11,16 @@ prefix hash match reuses whatever still matches.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
+# The tool-call blocks of Hermes-style templates (Qwen 2.5, Qwen 3, ...), the one format chatcore reads.
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+PROBE_TOOL = "chatcore_probe_tool"
 PROBE = [
     {"role": "system", "content": "S"},
     {"role": "user", "content": "U1"},
@@ -44,6 +48,20 @@ class ChatTemplate:
         if not self.prefix_stable:
             log.warning("the chat template is not prefix-stable: each turn re-renders the conversation "
                         "and relies on the prefix hash match")
+
+    @functools.cached_property
+    def takes_tools(self) -> bool:
+        """Whether the template shows tools to the model and asks for `<tool_call>` blocks."""
+        source = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, str) else ""
+        if TOOL_CALL_OPEN not in source:
+            return False
+        probe = [{"type": "function", "function": {"name": PROBE_TOOL, "parameters": {"type": "object"}}}]
+        try:
+            rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=probe,
+                                                          tokenize=False, add_generation_prompt=True)
+        except Exception:  # a template that fails with tools does not take them
+            return False
+        return PROBE_TOOL in rendered
 
     def render(self, messages: Sequence[dict[str, str]], generation_prompt: bool) -> list[int]:
         return _ids(self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation_prompt,
