@@ -5,7 +5,10 @@ import { CachePanel } from "./cache-panel.js";
 import { Api, ApiError } from "./protocol.js";
 import { ChatSession } from "./session.js";
 import { store } from "./store.js";
+import { SHORTCUTS, matchShortcut, renderShortcutList } from "./shortcuts.js";
 import { renderSessionItem } from "./sidebar.js";
+import { applyTheme, effectiveTheme, onSystemThemeChange } from "./theme.js";
+import { download, exportJSON, exportMarkdown, fileName, importBody } from "./transfer.js";
 import { h, hydrateIcons, icon, renderMessage, updateAssistantMessage } from "./ui.js";
 
 const PRESETS = [
@@ -65,7 +68,21 @@ const el = {
   settings: $("settings"),
   temperature: $("temperature"),
   temperatureOut: $("temperature-out"),
+  topP: $("top-p"),
+  topPOut: $("top-p-out"),
   maxTokens: $("max-tokens"),
+  maxTokensHelp: $("max-tokens-help"),
+  jsonMode: $("json-mode"),
+  settingsSystemPrompt: $("settings-system-prompt"),
+  themeToggle: $("theme-toggle"),
+  transfer: $("transfer"),
+  openTransfer: $("open-transfer"),
+  exportMd: $("export-md"),
+  exportJson: $("export-json"),
+  importFile: $("import-file"),
+  importAlert: $("import-alert"),
+  help: $("help"),
+  openHelp: $("open-help"),
   apiKey: $("api-key"),
   apiKeyAlert: $("api-key-alert"),
   toasts: $("toasts"),
@@ -133,6 +150,12 @@ function makeController(opts) {
   });
   s.addEventListener("conn", () => mine() && updateConnection());
   s.addEventListener("window", () => mine() && placeWindowMarker());
+  s.addEventListener("limits", (e) => {
+    setServerLimits(e.detail);
+    // a first message sent before the limit was known: bound it before its user frame goes out
+    const limit = settings.serverMaxTokens;
+    if (limit && s.pending && s.pending.params && s.pending.params.max_tokens > limit) s.pending.params.max_tokens = limit;
+  });
   s.addEventListener("meta", () => {
     if (mine()) updateHeader();
     const row = serverSessions.find((x) => x.id === s.id);
@@ -357,9 +380,10 @@ el.jump.addEventListener("click", () => {
 });
 
 el.messages.addEventListener("click", async (e) => {
-  const btn = e.target.closest("[data-action='copy-code']");
+  const btn = e.target.closest("[data-action='copy-code'], [data-action='copy-raw']");
   if (!btn) return;
-  const code = btn.closest(".codeblock")?.querySelector("code");
+  const raw = btn.dataset.action === "copy-raw";
+  const code = btn.closest(".codeblock")?.querySelector(raw ? "code.json-raw" : "code");
   const text = code ? code.textContent : "";
   try {
     await navigator.clipboard.writeText(text);
@@ -367,7 +391,7 @@ el.messages.addEventListener("click", async (e) => {
   } catch {
     btn.textContent = "Copy failed";
   }
-  setTimeout(() => (btn.textContent = "Copy"), 1500);
+  setTimeout(() => (btn.textContent = raw ? "Copy raw" : "Copy"), 1500);
 });
 
 // ---- header ----------------------------------------------------------------------------
@@ -416,7 +440,12 @@ function updateComposer() {
   el.stop.disabled = !running;
   el.send.disabled = running || !el.input.value.trim();
   el.composer.classList.toggle("is-running", running);
-  el.samplingSummary.textContent = `temperature ${Number(settings.temperature).toFixed(2).replace(/\.?0+$/, "") || "0"} · max ${settings.maxTokens} tokens`;
+  const num = (x) => Number(x).toFixed(2).replace(/\.?0+$/, "") || "0";
+  const parts = [`temperature ${num(settings.temperature)}`];
+  if (Number(settings.topP) < 1) parts.push(`top-p ${num(settings.topP)}`);
+  parts.push(`max ${settings.maxTokens} tokens`);
+  if (settings.jsonMode) parts.push("JSON");
+  el.samplingSummary.textContent = parts.join(" · ");
 }
 
 function submit() {
@@ -426,6 +455,8 @@ function submit() {
     current.systemPrompt = el.systemPrompt.value.trim() || null;
   }
   const params = { temperature: Number(settings.temperature), max_tokens: Number(settings.maxTokens) };
+  if (Number(settings.topP) < 1) params.top_p = Number(settings.topP);
+  if (settings.jsonMode) params.response_format = { type: "json_object" };
   if (current.sendMessage(text, params)) {
     el.input.value = "";
     autosize();
@@ -443,7 +474,7 @@ el.input.addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey && !e.isComposing && e.keyCode !== 229) {
     e.preventDefault();
     submit();
-  } else if (e.key === "Escape" && current && current.running) {
+  } else if (e.key === "Escape" && !e.shiftKey && current && current.running) {
     e.preventDefault();
     current.cancel();
   }
@@ -465,12 +496,14 @@ function renderPresets() {
     return b;
   });
   el.presets.replaceChildren(...buttons);
-  el.systemPrompt.value = PRESETS[0].text;
+  el.systemPrompt.value = settings.systemPrompt ?? PRESETS[0].text;
   el.systemPrompt.addEventListener("input", syncPresets);
   syncPresets();
 }
 
+/** The new-chat system prompt is one setting, shown on the new-chat page and in the settings. */
 function syncPresets() {
+  settings = store.saveSettings({ systemPrompt: el.systemPrompt.value });
   const value = el.systemPrompt.value.trim();
   [...el.presets.children].forEach((b, i) => b.setAttribute("aria-pressed", String(PRESETS[i].text === value)));
 }
@@ -637,7 +670,13 @@ el.cacheToggle.addEventListener("click", () => setCachePanel(el.cachePanel.hidde
 function openSettings(message) {
   el.temperature.value = settings.temperature;
   el.temperatureOut.textContent = Number(settings.temperature).toFixed(2);
+  el.topP.value = settings.topP;
+  el.topPOut.textContent = Number(settings.topP).toFixed(2);
   el.maxTokens.value = settings.maxTokens;
+  showMaxTokensLimit();
+  el.jsonMode.checked = !!settings.jsonMode;
+  el.settingsSystemPrompt.value = el.systemPrompt.value;
+  syncTheme();
   el.apiKey.value = settings.apiKey || "";
   el.apiKeyAlert.hidden = !message;
   el.apiKeyAlert.textContent = message || "";
@@ -654,10 +693,70 @@ el.temperature.addEventListener("input", () => {
 el.maxTokens.addEventListener("input", () => {
   const n = Math.round(Number(el.maxTokens.value));
   if (Number.isFinite(n) && n >= 1) {
-    settings = store.saveSettings({ maxTokens: Math.min(n, 32768) });
+    const limit = settings.serverMaxTokens;
+    settings = store.saveSettings({ maxTokens: limit ? Math.min(n, limit) : n });
     updateComposer();
   }
 });
+el.maxTokens.addEventListener("change", () => {
+  el.maxTokens.value = settings.maxTokens; // show the value kept (bounded by the server's limit)
+});
+el.topP.addEventListener("input", () => {
+  const p = Math.max(0.05, Math.min(1, Number(el.topP.value) || 1));
+  el.topPOut.textContent = p.toFixed(2);
+  settings = store.saveSettings({ topP: p });
+  updateComposer();
+});
+el.jsonMode.addEventListener("change", () => {
+  settings = store.saveSettings({ jsonMode: el.jsonMode.checked });
+  updateComposer();
+});
+el.settingsSystemPrompt.addEventListener("input", () => {
+  el.systemPrompt.value = el.settingsSystemPrompt.value;
+  syncPresets();
+});
+for (const radio of document.querySelectorAll('input[name="theme"]')) {
+  radio.addEventListener("change", () => radio.checked && setTheme(radio.value));
+}
+
+/** The server's limits (session frame): max tokens can no longer exceed what the server accepts. */
+function setServerLimits(limits) {
+  const limit = Number.isInteger(limits.max_tokens) && limits.max_tokens > 0 ? limits.max_tokens : null;
+  if (!limit) return;
+  const patch = { serverMaxTokens: limit };
+  if (Number(settings.maxTokens) > limit) patch.maxTokens = limit;
+  settings = store.saveSettings(patch);
+  showMaxTokensLimit();
+  updateComposer();
+}
+
+function showMaxTokensLimit() {
+  const limit = settings.serverMaxTokens;
+  if (limit) el.maxTokens.max = String(limit);
+  else el.maxTokens.removeAttribute("max");
+  el.maxTokensHelp.textContent = limit
+    ? `The longest answer, in tokens: at most ${limit.toLocaleString("en-US")}, this server's limit.`
+    : "The longest answer, in tokens (the server's limit is known once a chat is open).";
+}
+
+// ---- theme -----------------------------------------------------------------------------
+
+function setTheme(theme) {
+  settings = store.saveSettings({ theme });
+  applyTheme(theme);
+  syncTheme();
+}
+
+function syncTheme() {
+  const dark = effectiveTheme(settings.theme) === "dark";
+  el.themeToggle.setAttribute("aria-pressed", String(dark));
+  el.themeToggle.replaceChildren(icon(dark ? "sun" : "moon"));
+  el.themeToggle.title = dark ? "Dark theme (click for light)" : "Light theme (click for dark)";
+  for (const radio of document.querySelectorAll('input[name="theme"]')) radio.checked = radio.value === (settings.theme || "system");
+}
+
+el.themeToggle.addEventListener("click", () => setTheme(effectiveTheme(settings.theme) === "dark" ? "light" : "dark"));
+onSystemThemeChange(syncTheme);
 el.settings.addEventListener("close", () => {
   const key = el.apiKey.value.trim();
   if (key !== (settings.apiKey || "")) {
@@ -675,9 +774,98 @@ $("open-settings-side").addEventListener("click", () => {
 });
 el.samplingSummary.addEventListener("click", () => openSettings());
 
+// ---- export and import -----------------------------------------------------------------
+
+function openTransfer() {
+  const id = current && current.id;
+  el.exportMd.disabled = !id;
+  el.exportJson.disabled = !id;
+  el.importFile.value = "";
+  el.importAlert.hidden = true;
+  if (!el.transfer.open) el.transfer.showModal();
+}
+
+async function exportCurrent(kind) {
+  const id = current && current.id;
+  if (!id) return;
+  let detail;
+  try {
+    detail = await api.getSession(id);
+  } catch (err) {
+    toast(`Export failed: ${err.message}`, "error");
+    return;
+  }
+  if (kind === "md") download(fileName(detail.title, "md"), "text/markdown", exportMarkdown(detail));
+  else download(fileName(detail.title, "json"), "application/json", `${JSON.stringify(exportJSON(detail), null, 2)}\n`);
+}
+
+async function importFile(file) {
+  const fail = (text) => {
+    el.importAlert.textContent = text;
+    el.importAlert.hidden = false;
+  };
+  let body;
+  try {
+    body = importBody(JSON.parse(await file.text()));
+  } catch (err) {
+    fail(err instanceof SyntaxError ? "This file is not JSON." : err.message);
+    return;
+  }
+  let res;
+  try {
+    res = await api.importSession(body);
+  } catch (err) {
+    fail(`The server refused the import: ${err.message}`);
+    return;
+  }
+  store.saveSession(res.id, { token: res.resume_token, title: res.title });
+  if (!serverSessions.some((x) => x.id === res.id)) {
+    serverSessions.unshift({ id: res.id, title: res.title, state: "hot", turns: res.turns, last_active_at: new Date().toISOString() });
+  }
+  el.transfer.close();
+  openSession(res.id);
+  refreshSessions();
+  toast(`Imported "${res.title}" (${res.turns} ${res.turns === 1 ? "exchange" : "exchanges"}).`);
+}
+
+el.openTransfer.addEventListener("click", openTransfer);
+el.exportMd.addEventListener("click", () => exportCurrent("md"));
+el.exportJson.addEventListener("click", () => exportCurrent("json"));
+el.importFile.addEventListener("change", () => el.importFile.files[0] && importFile(el.importFile.files[0]));
+
+// ---- keyboard shortcuts ----------------------------------------------------------------
+
+function openHelp() {
+  if (!el.help.open) el.help.showModal();
+}
+
+const shortcutActions = {
+  newChat: () => newChat(),
+  focusComposer: () => el.input.focus(),
+  stop: () => current && current.running && current.cancel(),
+  help: () => openHelp(),
+};
+
+renderShortcutList($("shortcut-list"), SHORTCUTS);
+el.openHelp.addEventListener("click", openHelp);
+document.addEventListener("keydown", (e) => {
+  if (e.defaultPrevented || e.isComposing) return;
+  if (document.querySelector("dialog[open]")) return; // a dialog has the keyboard (Escape closes it)
+  const shortcut = matchShortcut(e, SHORTCUTS);
+  if (!shortcut) return;
+  if (shortcut.id === "stop" && (!(current && current.running) || document.body.classList.contains("sidebar-open"))) {
+    return; // Escape keeps its other jobs (the drawer, the cache panel)
+  }
+  e.preventDefault();
+  shortcutActions[shortcut.id]();
+});
+
 // ---- start -----------------------------------------------------------------------------
 
 hydrateIcons();
+applyTheme(settings.theme);
+syncTheme();
+showMaxTokensLimit();
 renderPresets();
 window.addEventListener("focus", () => refreshSessions());
 const saved = store.current();

@@ -4,7 +4,9 @@
 // a tiny syntax tree, and `toDOM()` builds elements with createElement/createTextNode, so
 // every character of the input ends up as text (the DOM equivalent of escaping all HTML
 // first). Links are kept only for http(s) URLs; a code fence's language is a
-// [A-Za-z0-9_+#.-] word used as a class name. `renderMarkdown()` is the one entry point
+// [A-Za-z0-9_+#.-] word used as a class name; code in a known language is highlighted by
+// highlight.js (vendored), through highlight.js's token tree, never its HTML (highlight.js in
+// this folder). `renderMarkdown()` is the one entry point
 // the UI uses; `parse()` is exported for tests.
 //
 // Supported: paragraphs (single newlines are kept as line breaks), ATX headings, fenced
@@ -12,6 +14,8 @@
 // what a streaming answer looks like), blockquotes, bullet and ordered lists (nested by
 // indentation), GFM tables, horizontal rules, inline code, **bold**, *italic*, ~~strike~~,
 // [links](https://...), bare http(s) URLs and backslash escapes.
+
+import { highlightInto } from "./highlight.js";
 
 const MAX_DEPTH = 12;
 const PUNCT = "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~";
@@ -514,7 +518,7 @@ function blocksToDOM(doc, blocks, parent) {
         const pre = el(doc, "pre");
         const code = el(doc, "code");
         if (b.lang) code.className = `language-${b.lang}`;
-        code.textContent = b.text;
+        highlightInto(code, b.text, b.lang, doc);
         pre.appendChild(code);
         box.append(head, pre);
         parent.appendChild(box);

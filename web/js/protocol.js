@@ -56,6 +56,9 @@ export class Api {
   getSession(id) {
     return this.request("GET", `/v1/sessions/${encodeURIComponent(id)}`);
   }
+  importSession(body) {
+    return this.request("POST", "/v1/sessions/import", body);
+  }
   renameSession(id, title) {
     return this.request("PATCH", `/v1/sessions/${encodeURIComponent(id)}`, { title });
   }

@@ -9,6 +9,7 @@
 //   running {running}    a turn started or ended (Stop enabled/disabled)
 //   conn {state, retryInMs}
 //   meta                 id, title, system prompt or cache figures changed
+//   limits {max_tokens, max_message_tokens}  the server's limits (from the session frame)
 //   created              a new session got its id
 //   done {msg}           a turn finished (refresh the sidebar and the cache map)
 //   rejected {content, code, message}  the server refused the user frame
@@ -158,6 +159,7 @@ export class ChatSession extends EventTarget {
     this.sessionSeq = typeof f.seq === "number" ? f.seq : null;
     this.tokenRetried = false;
     this.setWindow(f.truncated_turns);
+    if (f.limits && typeof f.limits === "object") this.emit("limits", f.limits);
     if (typeof f.title === "string" && (f.title || !this.title)) this.title = f.title;
     store.saveSession(this.id, { token: f.resume_token, title: this.title });
     if (isNew) {

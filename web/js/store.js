@@ -27,7 +27,19 @@ function write(key, value) {
   }
 }
 
-export const DEFAULT_SETTINGS = { temperature: 0.7, maxTokens: 512, apiKey: "", showCache: false };
+// serverMaxTokens: the server's max_tokens limit, from the last session frame (null: not known yet).
+// systemPrompt: null until set, then the new-chat system prompt. theme: "system", "light" or "dark".
+export const DEFAULT_SETTINGS = {
+  temperature: 0.7,
+  topP: 1,
+  maxTokens: 512,
+  serverMaxTokens: null,
+  jsonMode: false,
+  systemPrompt: null,
+  theme: "system",
+  apiKey: "",
+  showCache: false,
+};
 
 export const store = {
   settings() {

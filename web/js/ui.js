@@ -2,7 +2,7 @@
 // Text always goes in through textContent / createTextNode; markup only through
 // createElement. Nothing here uses innerHTML.
 
-import { renderMarkdown } from "./markdown.js";
+import { renderAnswer } from "./answer.js";
 
 const SVG = "http://www.w3.org/2000/svg";
 const ICONS = {
@@ -21,6 +21,10 @@ const ICONS = {
   trash: ["M3 6h18", "M8 6V4h8v2", "M19 6l-1 14H6L5 6", "M10 11v6", "M14 11v6"],
   refresh: ["M21 12a9 9 0 1 1-3-6.7", "M21 3v6h-6"],
   copy: ["M9 9h11v11H9z", "M5 15H4V4h11v1"],
+  moon: ["M21 12.8A9 9 0 1 1 11.2 3a7 7 0 0 0 9.8 9.8z"],
+  sun: ["M12 17a5 5 0 1 0 0-10 5 5 0 0 0 0 10z", "M12 1v2", "M12 21v2", "M4.2 4.2l1.4 1.4", "M18.4 18.4l1.4 1.4", "M1 12h2", "M21 12h2", "M4.2 19.8l1.4-1.4", "M18.4 5.6l1.4-1.4"],
+  transfer: ["M12 3v12", "M7 10l5 5 5-5", "M5 21h14"],
+  keyboard: [{ rect: [2, 6, 20, 12], outline: true }, "M6 10h.01", "M10 10h.01", "M14 10h.01", "M18 10h.01", "M7 14h10"],
 };
 
 export function icon(name) {
@@ -44,7 +48,7 @@ export function icon(name) {
       node.setAttribute("width", w);
       node.setAttribute("height", hgt);
       node.setAttribute("rx", 1.5);
-      node.classList.add("filled");
+      if (!part.outline) node.classList.add("filled");
     }
     svg.appendChild(node);
   }
@@ -208,7 +212,7 @@ function placeCaret(md) {
 export function updateAssistantMessage(el, msg) {
   const md = el.querySelector(".md");
   if (el._rendered !== msg.content || el._streaming !== msg.streaming) {
-    md.replaceChildren(renderMarkdown(msg.content));
+    md.replaceChildren(renderAnswer(msg.content, { streaming: msg.streaming }));
     if (msg.streaming && msg.content) placeCaret(md);
     el._rendered = msg.content;
     el._streaming = msg.streaming;
