@@ -25,8 +25,13 @@ def test_migrate_creates_the_database(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     result = _chatcore(data_dir, "migrate")
     assert (data_dir / "chatcore.db").is_file()
-    assert str(data_dir / "chatcore.db") in result.stdout
-    _chatcore(data_dir, "migrate")  # idempotent
+    lines = result.stdout.splitlines()
+    assert str(data_dir / "chatcore.db") in lines[0] and "upgrading from an empty database to " in lines[0]
+    head = lines[0].rsplit(" ", 1)[1]
+    assert lines[1].startswith("  0001: initial schema") and lines[-2].startswith(f"  {head}: ")
+    assert lines[-1].endswith(f"is at the newest schema ({head})")
+    again = _chatcore(data_dir, "migrate")  # idempotent
+    assert again.stdout.strip().endswith(f"({head}); nothing to do")
 
 
 async def test_keys_create_prints_a_working_key_once(tmp_path: Path) -> None:

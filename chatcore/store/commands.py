@@ -7,10 +7,12 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from sqlalchemy.engine import make_url
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy.engine import Connection, make_url
 
 from chatcore.config import Settings
-from chatcore.store.db import create_engine, create_sessionmaker, run_migrations
+from chatcore.store.db import alembic_config, create_engine, create_sessionmaker, run_migrations
 from chatcore.store.models import ApiKey
 from chatcore.store.repos import ApiKeyRepo
 
@@ -22,11 +24,34 @@ def masked_url(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
+async def _revision(url: str) -> str | None:
+    """The database's Alembic revision; None for a database without one (new or empty)."""
+    def current(connection: Connection) -> str | None:
+        return MigrationContext.configure(connection).get_current_revision()
+
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as connection:
+            return await connection.run_sync(current)
+    finally:
+        await engine.dispose()
+
+
 def migrate_command(settings: Settings) -> int:
-    """Upgrade the configured database to the newest schema."""
+    """Upgrade the configured database to the newest schema, saying from which revision to which, and each
+    step's purpose."""
     url = settings.resolved_database_url
+    scripts = ScriptDirectory.from_config(alembic_config(url))
+    head = scripts.get_current_head()
+    before = asyncio.run(_revision(url))
+    if before == head:
+        print(f"database {masked_url(url)} is at the newest schema ({head}); nothing to do")
+        return 0
+    print(f"database {masked_url(url)}: upgrading from {before or 'an empty database'} to {head}")
+    for step in reversed(list(scripts.iterate_revisions(head, before or "base"))):
+        print(f"  {step.revision}: {step.doc}", flush=True)
     run_migrations(url)
-    print(f"database {masked_url(url)} is at the newest schema")
+    print(f"database {masked_url(url)} is at the newest schema ({asyncio.run(_revision(url))})")
     return 0
 
 
