@@ -110,12 +110,13 @@ def convert_default_model(staging: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    print(f"converting {gguf} to float32 safetensors", flush=True)
     steps = tqdm(total=3, desc="converting the default model", unit="step")
     try:
-        steps.set_postfix_str("tokenizer")
+        steps.set_postfix_str("reading the tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         steps.update()
-        steps.set_postfix_str("weights (de-quantizing)")
+        steps.set_postfix_str("reading and de-quantizing the weights")
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # The weights are de-quantized now: drop the GGUF quantizer so save_pretrained accepts them.
         model.hf_quantizer = None
