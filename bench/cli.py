@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from chatcore.config import Settings
 
@@ -32,7 +33,9 @@ OPTIONS = ("sessions", "turns", "kv_cache_gb", "kv_disk_gb")  # suite parameters
 
 
 def _log(message: str) -> None:
-    print(message, flush=True)
+    """A line on stdout; through tqdm, so a progress bar on the terminal is redrawn below it."""
+    tqdm.write(message, file=sys.stdout)
+    sys.stdout.flush()
 
 
 def _json_default(value: Any) -> Any:
@@ -55,7 +58,7 @@ def _clean(value: Any) -> Any:
 
 
 def bench_command(args: argparse.Namespace, settings: Settings) -> int:
-    from bench.common import Context, CpuMonitor, busy_processes
+    from bench.common import Context, CpuMonitor, busy_processes, progress
 
     tiny = os.environ.get("CHATCORE_BENCH_TINY", "") not in ("", "0")
     names = SUITES if args.suite == "all" else [s.strip() for s in args.suite.split(",")]
@@ -88,7 +91,7 @@ def bench_command(args: argparse.Namespace, settings: Settings) -> int:
     failures = 0
     from bench import plots
 
-    for name in names:
+    for name in progress(names, "suites", "suite"):
         _log(f"[{name}] running{' (quick)' if ctx.quick else ''}{' (tiny)' if tiny else ''}")
         monitor = CpuMonitor()
         module = importlib.import_module(MODULES.get(name, f"bench.{name}"))

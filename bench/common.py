@@ -6,17 +6,26 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+from tqdm import tqdm
 
 from chatcore.config import Settings
 
 TINY_ENV = "CHATCORE_BENCH_TINY"
+T = TypeVar("T")
+
+
+def progress(items: Iterable[T], desc: str, unit: str, *, leave: bool = True) -> Iterator[T]:
+    """`items` with a tqdm bar on stderr, shown on a terminal only (`disable=None`), so logs and CI output
+    stay clean; lines logged meanwhile go through `tqdm.write` (`bench.cli._log`) and keep the bar whole."""
+    return iter(tqdm(items, desc=desc, unit=unit, leave=leave, disable=None, file=sys.stderr, dynamic_ncols=True))
 
 
 def median(values: list[float]) -> float:
@@ -153,6 +162,10 @@ class Context:
     @property
     def repeats(self) -> int:
         return 1 if (self.quick or self.tiny) else 3
+
+    def each_repeat(self, items: Iterable[T]) -> Iterator[T]:
+        """A suite's repeats, with a bar below the suites' bar (cleared when the suite is done)."""
+        return progress(items, "  repeats", "repeat", leave=False)
 
     @property
     def dtype(self) -> torch.dtype:

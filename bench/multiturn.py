@@ -67,7 +67,7 @@ def run(ctx: Context) -> dict[str, Any]:
     cached: list[int] = [0] * sz["turns"]
     off: dict[int, list[float]] = {t: [] for t in measured}
     hf: dict[int, list[float]] = {t: [] for t in measured}
-    for rep in range(reps):
+    for rep in ctx.each_repeat(range(reps)):
         scope = f"multiturn-{rep}-{uuid.uuid4().hex}"
         history = _ids(tok, f"<|im_start|>system\n{system}<|im_end|>\n")
         for turn in range(sz["turns"]):

@@ -107,7 +107,7 @@ def run(ctx: Context) -> dict[str, Any]:
             raise
     try:
         # Repeat 0 is a short warm-up of both; then the two alternate, so load drifts hit both.
-        for rep, (system, users) in enumerate(workloads):
+        for rep, (system, users) in enumerate(ctx.each_repeat(workloads)):
             count, tokens = (len(users), new) if rep else (2, 4)
             if rep:
                 ctx.log(f"  repeat {rep}/{reps}: in-process AsyncEngine, then the WebSocket server "

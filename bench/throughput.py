@@ -91,7 +91,7 @@ def run(ctx: Context) -> dict[str, Any]:
     gemm_shape = [sz["requests"], config.hidden_size, config.intermediate_size]
     gemms: list[float] = []
     steps: list[float] = []
-    for rep in range(reps):
+    for rep in ctx.each_repeat(range(reps)):
         ctx.log(f"  repeat {rep + 1}/{reps}: chatcore, transformers generate x{len(seq_prompts)} one at a time, "
                 f"static batch, generate_batch ({len(prompts)} requests x {new} tokens)")
         runs["chatcore"].append(run_batch(core, prompts, params))

@@ -114,3 +114,47 @@ def test_a_missed_target_fails_the_run_unless_no_fail() -> None:
     assert exit_code({"a": suites["a"]}, 0, fail_on_missed=True) == 0  # a report is never a miss
     assert exit_code({"a": suites["a"]}, 1, fail_on_missed=False) == 1  # a suite that failed to run
     assert target("unmeasured", float("nan"), "<=", 1.0)["met"] is False
+
+
+def _bench_hitrate(out: Path, stderr: int) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CHATCORE_BENCH_TINY": "1"}
+    return subprocess.run([sys.executable, "-m", "chatcore.cli", "bench", "--suite", "hitrate", "--no-fail", "--out",
+                           str(out)], env=env, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=300)
+
+
+@pytest.mark.model
+def test_progress_bars_show_on_a_terminal_only(tmp_path: Path) -> None:
+    import fcntl
+    import pty
+    import struct
+    import termios
+    import threading
+
+    piped = _bench_hitrate(tmp_path / "piped", subprocess.PIPE)
+    assert piped.returncode == 0 and "suites:" not in piped.stderr, piped.stderr  # logs stay clean
+    assert "[hitrate] running" in piped.stdout
+
+    master, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    shown: list[bytes] = []
+
+    def drain() -> None:
+        while chunk := _read(master):
+            shown.append(chunk)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    done = _bench_hitrate(tmp_path / "terminal", terminal)
+    os.close(terminal)
+    reader.join()
+    os.close(master)
+    assert done.returncode == 0 and "[hitrate] running" in done.stdout
+    bars = b"".join(shown).decode(errors="replace")
+    assert "suites: 100%" in bars and "1/1" in bars
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, 65536)
+    except OSError:  # EIO: the terminal's last writer closed it
+        return b""
