@@ -13,7 +13,14 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from chatcore.config import DEFAULT_MODEL, CONFIG_ENV, CONFIG_FILE, ConfigError, Settings, load_config
+from chatcore.config import (
+    CONFIG_ENV,
+    CONFIG_FILE,
+    DEFAULT_MODEL,
+    ConfigError,
+    Settings,
+    load_config,
+)
 from chatcore.config_flags import add_settings_flags
 from chatcore.models.errors import ModelUnavailable
 

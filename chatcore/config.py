@@ -15,7 +15,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
-from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
 from pydantic_settings.exceptions import SettingsError
 
 DEFAULT_MODEL = "default"
@@ -117,7 +122,7 @@ class Settings(BaseSettings):
         "fields as keys")
 
     @model_validator(mode="after")
-    def _expand(self) -> "Settings":
+    def _expand(self) -> Settings:
         self.cache_dir = self.cache_dir.expanduser()
         self.data_dir = self.data_dir.expanduser()
         if self.kv_disk_dir is not None:

@@ -12,7 +12,12 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Connection, make_url
 
 from chatcore.config import Settings
-from chatcore.store.db import alembic_config, create_engine, create_sessionmaker, run_migrations
+from chatcore.store.db import (
+    alembic_config,
+    create_engine,
+    create_sessionmaker,
+    run_migrations,
+)
 from chatcore.store.models import ApiKey
 from chatcore.store.repos import ApiKeyRepo
 
