@@ -22,6 +22,7 @@ from tests.test_web_ui import (  # noqa: F401  (fixtures)
     page,
     send,
     server_history,
+    shot,
     wait_finished,
     wait_text,
 )
@@ -109,6 +110,7 @@ async def test_json_mode_answer_is_formatted_and_equals_the_stored_answer(page, 
     await block.get_by_role("button", name="Copy the answer as the model wrote it").click()
     await expect(block.get_by_role("button", name="Copy the answer as the model wrote it")).to_have_text("Copied")
     assert await page.evaluate("() => navigator.clipboard.readText()") == stored
+    await shot(page, "ui-1440-json-answer.png")
     assert await page.evaluate("() => window.__csp") == []
     await delete_session(page, sid)
 
@@ -164,6 +166,7 @@ async def test_tool_calls_render_as_cards(page):
     await expect(bubble.get_by_role("group", name="Tool call: get_weather")).to_be_visible()
     await expect(shown.first.locator(".hl-attr").first).to_have_text('"city"')
     await expect(bubble.locator(".md")).to_contain_text('"name": "broken"')
+    await shot(page, "ui-1440-tool-calls.png")
     await delete_session(page, sid)
 
 
@@ -280,6 +283,7 @@ async def test_theme_toggle_persists_and_system_is_followed(page):
     await expect(page.locator("html")).to_have_attribute("data-theme", "dark")
     dark = await background(page)
     assert dark != light
+    await shot(page, "ui-1440-forced-dark.png")
     await page.reload()  # persists (applied before the first paint by theme-boot.js)
     await expect(page.locator("html")).to_have_attribute("data-theme", "dark")
     assert await background(page) == dark
@@ -344,6 +348,7 @@ async def test_settings_system_prompt_top_p_temperature_and_the_servers_max_toke
     await expect(max_tokens).to_have_attribute("max", str(limit))
     await expect(dialog.get_by_label("Top-p")).to_have_value("0.5")
     await expect(dialog.get_by_label("System prompt for new chats")).to_have_value("You are a pirate. Answer briefly.")
+    await shot(page, "ui-1440-settings.png")
     await delete_session(page, sid)
 
 
@@ -359,6 +364,7 @@ async def test_keyboard_shortcuts_are_listed_and_work(page):
     await expect(rows.locator("dd")).to_have_text(
         ["New chat", "Focus the message box", "Stop the answer", "Show these shortcuts"])
     await expect(help_dialog).not_to_contain_text("egenerate")  # the UI has no regenerate action
+    await shot(page, "ui-1440-shortcuts.png")
     await page.keyboard.press("Escape")
     await expect(help_dialog).to_be_hidden()
     await page.get_by_test_id("open-help").click()

@@ -84,7 +84,6 @@ export function highlightInto(codeEl, text, tag, doc = globalThis.document) {
     codeEl.textContent = text; // never show anything but the exact text
     return false;
   }
-  codeEl.classList.add("hl");
   codeEl.dataset.highlighted = language;
   return true;
 }

@@ -230,7 +230,11 @@ export function updateAssistantMessage(el, msg) {
     foot.replaceChildren();
     const label = msg.streaming ? null : FINISH_LABELS[msg.finish];
     if (label) foot.appendChild(h("span", { class: `finish finish-${msg.finish}` }, label));
-    if (msg.usage || msg.timing) foot.appendChild(renderUsage(msg.usage, msg.timing));
+    // an imported answer has no statistics (all zero): none are shown
+    const u = msg.usage || {};
+    if (u.prompt_tokens || u.completion_tokens || (msg.timing && msg.timing.total_ms != null)) {
+      foot.appendChild(renderUsage(msg.usage, msg.timing));
+    }
   }
 }
 
