@@ -148,7 +148,7 @@ async def test_a_300_turn_conversation_keeps_answering(tmp_path, loaded_fp32) ->
     """Many windows long: every turn answers, no prompt overflows, and the history keeps all 300."""
     context = 160
     settings = Settings(data_dir=tmp_path, dtype="float32", num_blocks=96, kv_disk_gb=0, max_context=context)
-    params = {"temperature": 0, "max_tokens": 2, "ignore_eos": True}
+    params = {"temperature": 0, "max_tokens": 1, "ignore_eos": True}  # one forward pass a turn
     async with serve(settings, loaded_fp32) as server, server.connect() as ws:
         session = await hello(ws)
         truncated = []
