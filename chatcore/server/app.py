@@ -117,6 +117,7 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> Litesta
                 session_routes.get_session,
                 session_routes.rename_session,
                 session_routes.rotate_token,
+                session_routes.branch_session,
                 session_routes.delete_session,
                 ops_routes.admin_cache,
             ]),

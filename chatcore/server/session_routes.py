@@ -9,6 +9,7 @@ from sqlalchemy import func, select
 
 from chatcore.server.errors import ApiError
 from chatcore.server.services import Services
+from chatcore.sessions.branch import BadBranch, branch
 from chatcore.store.models import Turn
 
 MAX_TITLE = 200
@@ -64,6 +65,21 @@ async def create_session(request: Request[Any, Any, Any], data: dict[str, Any] |
 async def get_session(request: Request[Any, Any, Any], session_id: str) -> dict[str, Any]:
     principal = await request.app.state.auth.principal(request)
     return await _services(request).sessions.detail(principal.tenant_id, session_id)
+
+
+@post("/v1/sessions/{session_id:str}/branch", status_code=201)
+async def branch_session(request: Request[Any, Any, Any], session_id: str, data: dict[str, Any]) -> dict[str, Any]:
+    """A new session with the first `turns` complete exchanges of this one (regenerate, edit and resend)."""
+    principal = await request.app.state.auth.principal(request)
+    if not isinstance(data, dict) or set(data) != {"turns"} or isinstance(data["turns"], bool) \
+            or not isinstance(data["turns"], int):
+        raise ApiError("bad_request", "send {\"turns\": the number of complete exchanges the branch keeps}")
+    try:
+        state, token = await branch(_services(request).sessions, principal.tenant_id, session_id, data["turns"])
+    except BadBranch as exc:
+        raise ApiError("bad_request", str(exc)) from exc
+    return {"id": state.id, "resume_token": token, "title": state.title, "system_prompt": state.system_prompt,
+            "turns": data["turns"], "history_tokens": len(state.tokens)}
 
 
 @patch("/v1/sessions/{session_id:str}")

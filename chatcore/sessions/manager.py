@@ -169,7 +169,8 @@ class SessionManager:
         if previous != self.leases.replica_id and not state.turn_running:
             fresh = await self._read(state.tenant_id, state.id)
             await self.engine.call(lambda core: self.pins.release(state.id))  # its KV may be stale
-            for name in ("title", "system_prompt", "tokens", "messages", "turn_count", "next_seq", "current"):
+            for name in ("title", "system_prompt", "tokens", "messages", "window_start", "turn_count", "next_seq",
+                         "current"):
                 setattr(state, name, getattr(fresh, name))
 
     async def _load(self, tenant_id: str, session_id: str) -> SessionState:
