@@ -3,13 +3,13 @@
 
 import { CachePanel } from "./cache-panel.js";
 import { Api, ApiError } from "./protocol.js";
-import { ChatSession } from "./session.js";
+import { ChatSession, exchangesBefore } from "./session.js";
 import { store } from "./store.js";
 import { SHORTCUTS, matchShortcut, renderShortcutList } from "./shortcuts.js";
 import { renderSessionItem } from "./sidebar.js";
 import { applyTheme, effectiveTheme, onSystemThemeChange } from "./theme.js";
 import { download, exportJSON, exportMarkdown, fileName, importBody } from "./transfer.js";
-import { h, hydrateIcons, icon, renderMessage, updateAssistantMessage } from "./ui.js";
+import { h, hydrateIcons, icon, renderMessage, renderMessageEditor, updateAssistantMessage } from "./ui.js";
 
 const PRESETS = [
   {
@@ -100,6 +100,7 @@ const dirty = new Set();
 let frameQueued = false;
 let stickToBottom = true;
 let editing = null; // {id, mode: "rename"|"delete"}
+let branching = false; // a branch is being made (regenerate, edit and resend)
 
 // ---- toasts and banner ----------------------------------------------------------------
 
@@ -143,9 +144,13 @@ function makeController(opts) {
     if (node) node.remove();
     msgEls.delete(e.detail.msg.key);
     updateWelcome();
+    syncMessageActions();
   });
   s.addEventListener("running", () => {
-    if (mine()) updateComposer();
+    if (mine()) {
+      updateComposer();
+      syncMessageActions();
+    }
     markRunning(s);
   });
   s.addEventListener("conn", () => mine() && updateConnection());
@@ -285,6 +290,7 @@ function renderTranscript() {
   el.messages.replaceChildren(...nodes);
   placeWindowMarker();
   updateWelcome();
+  syncMessageActions();
   stickToBottom = true;
   scrollToBottom();
 }
@@ -333,6 +339,7 @@ function onMessage(msg) {
     for (let i = idx + 1; i < current.messages.length && !before; i++) before = msgEls.get(current.messages[i].key) || null;
     el.messages.insertBefore(node, before && before.parentNode === el.messages ? before : null);
     updateWelcome();
+    syncMessageActions();
     scheduleScroll();
     return;
   }
@@ -380,6 +387,16 @@ el.jump.addEventListener("click", () => {
 });
 
 el.messages.addEventListener("click", async (e) => {
+  const action = e.target.closest("[data-action='edit'], [data-action='edit-cancel'], [data-action='regenerate']");
+  if (action) {
+    const node = action.closest(".msg");
+    const msg = current && current.messages.find((m) => m.key === node?.dataset.key);
+    if (!msg) return;
+    if (action.dataset.action === "edit") openEditor(node, msg);
+    else if (action.dataset.action === "edit-cancel") closeEditor(node, true);
+    else regenerate(msg);
+    return;
+  }
   const btn = e.target.closest("[data-action='copy-code'], [data-action='copy-raw']");
   if (!btn) return;
   const raw = btn.dataset.action === "copy-raw";
@@ -393,6 +410,121 @@ el.messages.addEventListener("click", async (e) => {
   }
   setTimeout(() => (btn.textContent = raw ? "Copy raw" : "Copy"), 1500);
 });
+
+// ---- regenerate, edit and resend: both branch the conversation ------------------------
+
+const REGENERATE_KEYS = SHORTCUTS.find((x) => x.id === "regenerate").aria;
+
+/** The answer that Regenerate applies to: the last message, when it is a finished answer to a user message. */
+function regenerateTarget() {
+  const msgs = current ? current.messages : [];
+  const last = msgs[msgs.length - 1];
+  return last && last.role === "assistant" && !last.streaming && msgs[msgs.length - 2]?.role === "user" ? last : null;
+}
+
+/** Regenerate on the last finished answer only; edit on every user message; none while a turn runs. */
+function syncMessageActions() {
+  if (!current) return;
+  const busy = current.running || branching || !current.id;
+  const target = regenerateTarget();
+  for (const m of current.messages) {
+    const node = msgEls.get(m.key);
+    if (!node) continue;
+    if (m.role === "user") {
+      const edit = node.querySelector("[data-action='edit']");
+      if (edit) edit.disabled = busy;
+      const send = node.querySelector("[data-testid='edit-send']");
+      if (send) send.disabled = busy || !node.querySelector("[data-testid='edit-input']").value.trim();
+    } else {
+      const regen = node.querySelector("[data-action='regenerate']");
+      if (!regen) continue;
+      regen.hidden = m !== target;
+      regen.disabled = busy;
+      regen.setAttribute("aria-keyshortcuts", REGENERATE_KEYS);
+    }
+  }
+}
+
+function openEditor(node, msg) {
+  for (const other of el.messages.querySelectorAll(".msg-user.is-editing")) closeEditor(other, false);
+  const form = renderMessageEditor(msg.content);
+  const input = form.querySelector("textarea");
+  const fit = () => {
+    input.style.height = "auto";
+    input.style.height = `${Math.min(input.scrollHeight + 2, Math.round(window.innerHeight * 0.4))}px`;
+  };
+  form.addEventListener("submit", (e) => {
+    e.preventDefault();
+    resendEdited(msg, input.value);
+  });
+  input.addEventListener("input", () => {
+    fit();
+    form.querySelector("[data-testid='edit-send']").disabled = !input.value.trim() || !!(current && current.running) || branching;
+  });
+  input.addEventListener("keydown", (e) => {
+    e.stopPropagation(); // the page's shortcuts stay out of the editor
+    if (e.key === "Enter" && !e.shiftKey && !e.ctrlKey && !e.metaKey && !e.isComposing && e.keyCode !== 229) {
+      e.preventDefault();
+      form.requestSubmit();
+    } else if (e.key === "Escape") {
+      e.preventDefault();
+      closeEditor(node, true);
+    }
+  });
+  node.classList.add("is-editing");
+  node.appendChild(form);
+  syncMessageActions();
+  fit();
+  input.focus();
+  input.setSelectionRange(input.value.length, input.value.length);
+}
+
+function closeEditor(node, refocus) {
+  node.querySelector(".msg-editor")?.remove();
+  node.classList.remove("is-editing");
+  if (refocus) node.querySelector("[data-action='edit']")?.focus();
+}
+
+function regenerate(answer) {
+  const msgs = current ? current.messages : [];
+  const i = msgs.indexOf(answer);
+  if (answer !== regenerateTarget() || i < 1) return;
+  branchAndSend(exchangesBefore(msgs, i - 1), msgs[i - 1].content);
+}
+
+function resendEdited(userMsg, text) {
+  const i = current ? current.messages.indexOf(userMsg) : -1;
+  if (i < 0 || !text.trim()) return;
+  branchAndSend(exchangesBefore(current.messages, i), text);
+}
+
+/** Branch the open chat after its first `turns` complete exchanges (POST /v1/sessions/{id}/branch),
+ * open the branch like any chat this page made, and send `text` there once its history is loaded.
+ * The original stays as it was; the branch's turn reuses its KV blocks (the cached tokens show it). */
+async function branchAndSend(turns, text) {
+  const source = current;
+  if (!source || !source.id || source.running || branching) return;
+  branching = true;
+  syncMessageActions();
+  let res;
+  try {
+    res = await api.branchSession(source.id, turns);
+  } catch (err) {
+    toast(`Could not branch this chat: ${err.message}`, "error");
+    return;
+  } finally {
+    branching = false;
+    syncMessageActions();
+  }
+  store.saveSession(res.id, { token: res.resume_token, title: res.title });
+  if (!serverSessions.some((x) => x.id === res.id)) {
+    serverSessions.unshift({ id: res.id, title: res.title, state: "hot", turns: res.turns, last_active_at: new Date().toISOString() });
+  }
+  openSession(res.id);
+  stickToBottom = true;
+  current.sendWhenLoaded(text, sendParams());
+  refreshSessions();
+}
 
 // ---- header ----------------------------------------------------------------------------
 
@@ -448,16 +580,21 @@ function updateComposer() {
   el.samplingSummary.textContent = parts.join(" · ");
 }
 
+/** A turn's parameters, from the settings. */
+function sendParams() {
+  const params = { temperature: Number(settings.temperature), max_tokens: Number(settings.maxTokens) };
+  if (Number(settings.topP) < 1) params.top_p = Number(settings.topP);
+  if (settings.jsonMode) params.response_format = { type: "json_object" };
+  return params;
+}
+
 function submit() {
   const text = el.input.value;
   if (!text.trim() || !current || current.running) return;
   if (current.id === null && current.messages.length === 0) {
     current.systemPrompt = el.systemPrompt.value.trim() || null;
   }
-  const params = { temperature: Number(settings.temperature), max_tokens: Number(settings.maxTokens) };
-  if (Number(settings.topP) < 1) params.top_p = Number(settings.topP);
-  if (settings.jsonMode) params.response_format = { type: "json_object" };
-  if (current.sendMessage(text, params)) {
+  if (current.sendMessage(text, sendParams())) {
     el.input.value = "";
     autosize();
     stickToBottom = true;
@@ -843,6 +980,10 @@ const shortcutActions = {
   newChat: () => newChat(),
   focusComposer: () => el.input.focus(),
   stop: () => current && current.running && current.cancel(),
+  regenerate: () => {
+    const target = regenerateTarget();
+    if (target) regenerate(target);
+  },
   help: () => openHelp(),
 };
 

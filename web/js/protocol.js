@@ -59,6 +59,10 @@ export class Api {
   importSession(body) {
     return this.request("POST", "/v1/sessions/import", body);
   }
+  /** A new session holding the first `turns` complete exchanges of `id` (regenerate, edit and resend). */
+  branchSession(id, turns) {
+    return this.request("POST", `/v1/sessions/${encodeURIComponent(id)}/branch`, { turns });
+  }
   renameSession(id, title) {
     return this.request("PATCH", `/v1/sessions/${encodeURIComponent(id)}`, { title });
   }

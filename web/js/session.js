@@ -60,6 +60,22 @@ export function canonicalCount(messages) {
   return Math.max(0, n);
 }
 
+/** Whether an answer counts as a complete exchange on the server (a failed or interrupted one does not;
+ * an answer loaded from the history without a finish reason does). */
+function completes(answer) {
+  return !!answer && answer.role === "assistant" && !answer.streaming && answer.finish !== "error" && answer.finish !== "interrupted";
+}
+
+/** The number of complete exchanges (a user message and its answer) before `messages[index]`: the
+ * branch point (`POST /v1/sessions/{id}/branch`, `turns`) that keeps everything before it. */
+export function exchangesBefore(messages, index) {
+  let n = 0;
+  for (let i = 0; i < index; i++) {
+    if (messages[i].role === "user" && completes(messages[i + 1])) n += 1;
+  }
+  return n;
+}
+
 export class ChatSession extends EventTarget {
   constructor({ id = null, api, getKey, title = "", systemPrompt = null }) {
     super();
@@ -81,6 +97,7 @@ export class ChatSession extends EventTarget {
     this.tokenRetried = false;
     this.closed = false;
     this.info = null; // GET /v1/sessions/{id}: state and cache figures
+    this.queued = null; // {content, params}: a message to send once the history is loaded (a branch)
   }
 
   emit(type, detail = {}) {
@@ -181,6 +198,12 @@ export class ChatSession extends EventTarget {
       this.reconcile(history);
     }
     this.emit("meta");
+    if (this.queued && !this.pending && !this.running) {
+      const { content, params } = this.queued;
+      this.queued = null;
+      this.sendMessage(content, params);
+      return;
+    }
     if (this.pending && this.pending.startSeq == null) {
       // we never saw this turn start: after the replay (a ping's pong marks its end), resend
       // the user frame; its id makes that idempotent on the server
@@ -443,6 +466,14 @@ export class ChatSession extends EventTarget {
       if (this.socket.attached) this.sendUser();
       else this.socket.kick();
     }
+    return true;
+  }
+
+  /** Send a message in a session that is being opened: after its history is on screen (so the turn
+   * knows where it starts). A session already loaded sends at once. */
+  sendWhenLoaded(content, params) {
+    if (this.loaded) return this.sendMessage(content, params);
+    this.queued = { content, params };
     return true;
   }
 

@@ -1,6 +1,5 @@
 // Keyboard shortcuts: one table, used both to handle keys (app.js) and to list them in the help
-// dialog, so the list can never drift from what the keys do. There is no "regenerate": the UI has
-// no such action yet (it needs the server's support), so it has no shortcut either.
+// dialog, so the list can never drift from what the keys do.
 
 const isMac = /Mac|iPhone|iPad/.test(navigator.platform || navigator.userAgent || "");
 const mod = (e) => (isMac ? e.metaKey : e.ctrlKey);
@@ -19,6 +18,13 @@ export const SHORTCUTS = [
     label: "New chat",
     keys: [[isMac ? "⌘" : "Ctrl", "Shift", "O"]],
     match: (e) => mod(e) && e.shiftKey && !e.altKey && e.key.toLowerCase() === "o",
+  },
+  {
+    id: "regenerate",
+    label: "Regenerate the last answer",
+    keys: [[isMac ? "⌘" : "Ctrl", "Shift", "Enter"]],
+    aria: `${isMac ? "Meta" : "Control"}+Shift+Enter`,
+    match: (e) => mod(e) && e.shiftKey && !e.altKey && e.key === "Enter",
   },
   {
     id: "focusComposer",

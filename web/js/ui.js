@@ -173,15 +173,47 @@ export function renderUsage(usage, timing) {
   return box;
 }
 
+/** A small icon button of a message's action row (its name is its aria-label; no text, so the
+ * message's own text stays the article's text). */
+function actionButton(action, testid, label, iconName) {
+  return h("button", { type: "button", class: "icon-btn small", "data-action": action, "data-testid": testid,
+                       "aria-label": label, title: label }, icon(iconName));
+}
+
 export function renderUserMessage(msg) {
   return h(
     "article",
     { class: "msg msg-user", "data-testid": "message-user", "data-key": msg.key, "aria-label": "You" },
-    h("div", { class: "bubble" }, msg.content)
+    h("div", { class: "bubble" }, msg.content),
+    h("div", { class: "msg-actions" }, actionButton("edit", "edit-message", "Edit and resend this message", "edit"))
+  );
+}
+
+let editorCount = 0;
+
+/** The inline editor of a user message: a textarea holding `text`, Cancel and Send. */
+export function renderMessageEditor(text) {
+  const id = `message-editor-${++editorCount}`;
+  const input = h("textarea", { id, class: "msg-editor-input", "data-testid": "edit-input", rows: 3 });
+  input.value = text;
+  return h(
+    "form",
+    { class: "msg-editor", "data-testid": "message-editor", "aria-label": "Edit your message" },
+    h("label", { class: "visually-hidden", for: id }, "Edited message"),
+    input,
+    h(
+      "div",
+      { class: "msg-editor-actions" },
+      h("span", { class: "msg-editor-hint" }, "Sends in a new branch of this chat; this one stays as it is."),
+      h("button", { type: "button", class: "btn btn-small", "data-action": "edit-cancel", "data-testid": "edit-cancel" }, "Cancel"),
+      h("button", { type: "submit", class: "btn btn-small btn-primary", "data-testid": "edit-send" }, "Send")
+    )
   );
 }
 
 export function renderAssistantMessage(msg) {
+  const regenerate = actionButton("regenerate", "regenerate", "Regenerate this answer", "refresh");
+  regenerate.hidden = true; // the page shows it on the last finished answer only
   const el = h(
     "article",
     { class: "msg msg-assistant", "data-testid": "message-assistant", "data-key": msg.key, "aria-label": "Assistant" },
@@ -191,7 +223,8 @@ export function renderAssistantMessage(msg) {
       { class: "msg-main" },
       h("div", { class: "md" }),
       h("div", { class: "typing", "aria-label": "The assistant is thinking", role: "img" }, h("span"), h("span"), h("span")),
-      h("div", { class: "msg-foot" })
+      h("div", { class: "msg-foot" }),
+      h("div", { class: "msg-actions" }, regenerate)
     )
   );
   updateAssistantMessage(el, msg);
