@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["tests.openai_fixtures"]
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite compares against transformers on the CPU, also on a machine with a GPU (whose
 # `device=auto` would pick it); `make gpu-check` runs the CUDA checks (bench/gpu_check.py).

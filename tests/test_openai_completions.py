@@ -3,35 +3,13 @@ app and model in fp32: a string or token ids, plain and streamed, legacy logprob
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import openai
 import pytest
 
-from chatcore.cache.audit import audit
-from chatcore.config import Settings
-from tests.inprocess_server import InProcessServer, serve
 from tests.server_helpers import SYSTEM
 
 pytestmark = pytest.mark.model
 PROMPT = SYSTEM + "\n\nCustomer: Can I get a refund?\nAtlas:"
-
-
-@pytest.fixture(scope="module")
-async def server(tmp_path_factory, loaded_fp32) -> AsyncIterator[InProcessServer]:
-    settings = Settings(data_dir=tmp_path_factory.mktemp("openai-completions"), dtype="float32", num_blocks=256,
-                        kv_disk_gb=0)
-    async with serve(settings, loaded_fp32) as running:  # audits the pool when the module ends
-        yield running
-
-
-@pytest.fixture
-async def client(server: InProcessServer) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="anything",
-                                  max_retries=0, timeout=120) as api:
-        yield api
-    report = await server.services.engine.call(lambda core: audit(core.pool))
-    assert report.ok, report.format()
 
 
 async def complete(client: openai.AsyncOpenAI, prompt: str | list[int], **params):

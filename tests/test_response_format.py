@@ -4,18 +4,14 @@ on `/v1/chat/completions` with the official `openai` client, and as WebSocket pa
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 import jsonschema
 import openai
 import pytest
 
-from chatcore.cache.audit import audit
-from chatcore.config import Settings
 from chatcore.engine.grammar import GrammarError, ResponseFormat, parse_response_format
 from chatcore.engine.request import SamplingParams
 from tests.engine_helpers import add_all, chat_ids, run_to_end
-from tests.inprocess_server import InProcessServer, serve
 from tests.server_helpers import hello, recv_until, turn
 
 pytestmark = pytest.mark.model
@@ -83,23 +79,6 @@ def test_schemas_are_checked_before_anything_runs(make_core) -> None:
         with pytest.raises(ValueError):
             parse_response_format(bad)
     assert parse_response_format({"type": "text"}) is None
-
-
-@pytest.fixture(scope="module")
-async def server(tmp_path_factory, loaded_fp32) -> AsyncIterator[InProcessServer]:
-    settings = Settings(data_dir=tmp_path_factory.mktemp("response-format"), dtype="float32", num_blocks=256,
-                        kv_disk_gb=0)
-    async with serve(settings, loaded_fp32) as running:  # audits the pool when the module ends
-        yield running
-
-
-@pytest.fixture
-async def client(server: InProcessServer) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="anything",
-                                  max_retries=0, timeout=120) as api:
-        yield api
-    report = await server.services.engine.call(lambda core: audit(core.pool))
-    assert report.ok, report.format()
 
 
 async def test_json_schema_with_the_official_client_plain_and_streamed(client) -> None:
