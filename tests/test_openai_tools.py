@@ -157,3 +157,13 @@ async def test_a_model_whose_template_takes_no_tools_refuses_them(tmp_path, load
                     "messages": [{"role": "user", "content": "hi"}], **extra})
             body = refused.value.response.json()["error"]
             assert body["code"] == "unsupported_parameter" and "does not support tools" in body["message"]
+
+
+async def test_a_websocket_session_refuses_tools_clearly(tiny_server) -> None:
+    from tests.server_helpers import hello, recv_until
+
+    async with tiny_server.connect() as ws:
+        await hello(ws)
+        await ws.send(json.dumps({"type": "user", "id": "t", "content": "hi", "params": {"tools": TOOLS}}))
+        error = (await recv_until(ws, "error"))[-1]
+    assert error["code"] == "unsupported_parameter" and "POST /v1/chat/completions" in error["message"]

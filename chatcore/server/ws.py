@@ -253,6 +253,9 @@ class Connection:
         if not isinstance(content, str) or not content.strip():
             raise ApiError("bad_request", "'content' must be a non-empty string")
         services = self.services
+        if isinstance(frame.get("params"), dict) and {"tools", "tool_choice"} & set(frame["params"]):
+            raise ApiError("unsupported_parameter", "tools are not available in sessions (a session keeps no tool "
+                                                    "calls); use POST /v1/chat/completions with the whole conversation")
         params = sampling_params(frame.get("params"), services.settings, vocab_size=services.engine.core.vocab_size)
         grammars = services.engine.core.grammars
         await services.sessions.tokenize(lambda: compile_response_format(grammars, params.response_format))
