@@ -48,7 +48,7 @@ export function renderSessionItem(s, view, on) {
   const open = h(
     "button",
     { type: "button", class: "session-open", "aria-current": view.active ? "page" : null },
-    h("span", { class: "session-title" }, title),
+    h("span", { class: "session-title", title }, title),
     h(
       "span",
       { class: "session-meta" },
