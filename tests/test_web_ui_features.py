@@ -390,3 +390,16 @@ async def test_keyboard_shortcuts_are_listed_and_work(page):
     await expect(page.get_by_test_id("message-assistant")).to_have_count(0)
     await expect(page.get_by_test_id("composer")).to_be_focused()
     await delete_session(page, sid)
+
+
+async def test_a_fresh_page_knows_the_server_s_max_tokens_before_any_chat(page, live_server):
+    status, limits = live_server.get("/v1/limits")
+    assert status == 200 and limits["max_tokens"] == 2048 and limits["context"] > limits["max_tokens"]
+    await page.goto("/")  # a new browser profile: nothing stored, no chat opened
+    await page.locator("#open-settings").click()
+    dialog = page.get_by_role("dialog", name="Settings")
+    max_tokens = dialog.get_by_label("Max tokens")
+    await expect(max_tokens).to_have_attribute("max", str(limits["max_tokens"]))
+    await max_tokens.fill("32768")
+    await max_tokens.press("Tab")
+    await expect(max_tokens).to_have_value(str(limits["max_tokens"]))

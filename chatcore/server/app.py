@@ -111,6 +111,7 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> Litesta
                 openai_routes.chat_completions,
                 completions_routes.completions,
                 openai_routes.list_models,
+                session_routes.limits,
                 session_routes.list_sessions,
                 session_routes.create_session,
                 import_routes.import_session,

@@ -79,6 +79,11 @@ class Services:
         return cls(settings, db, sessionmaker, engine, metrics, manager, TurnRunner(manager), policy, disk,
                    local.id, loaded.path.name, tiers)
 
+    def limits(self) -> dict[str, int]:
+        """What a client may ask for: the largest `max_tokens`, the longest message and the context, in tokens."""
+        return {"max_tokens": self.settings.max_tokens_limit, "max_message_tokens": self.settings.max_message_tokens,
+                "context": self.engine.core.scheduler.max_context}
+
     async def stop(self) -> None:
         await self.policy.stop()
         for state in list(self.sessions.live.values()):

@@ -29,6 +29,13 @@ def _optional_text(data: dict[str, Any], name: str, limit: int) -> str | None:
     return value
 
 
+@get("/v1/limits")
+async def limits(request: Request[Any, Any, Any]) -> dict[str, int]:
+    """The server's limits (also in the WebSocket `session` frame), for a client with no chat open yet."""
+    await request.app.state.auth.principal(request)
+    return _services(request).limits()
+
+
 @get("/v1/sessions")
 async def list_sessions(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
     principal = await request.app.state.auth.principal(request)

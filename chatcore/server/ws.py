@@ -236,8 +236,7 @@ class Connection:
         self.last_seq = last_seq
         self.send({"type": "session", "session_id": state.id, "resume_token": token, "title": state.title,
                    "history": state.history(), "truncated_turns": state.window_start, "seq": state.next_seq,
-                   "limits": {"max_tokens": self.services.settings.max_tokens_limit,
-                              "max_message_tokens": self.services.settings.max_message_tokens}})
+                   "limits": self.services.limits()})
         current = state.current
         if current is not None and (state.turn_running or last_seq is not None):
             self.follow(state, last_seq)

@@ -856,7 +856,17 @@ for (const radio of document.querySelectorAll('input[name="theme"]')) {
   radio.addEventListener("change", () => radio.checked && setTheme(radio.value));
 }
 
-/** The server's limits (session frame): max tokens can no longer exceed what the server accepts. */
+/** The server's limits at start, before any chat is open (a page without its API key yet gets them
+ * from the first session frame instead). */
+async function loadLimits() {
+  try {
+    setServerLimits(await api.limits());
+  } catch (err) {
+    if (!(err instanceof ApiError)) throw err;
+  }
+}
+
+/** The server's limits (GET /v1/limits, and each session frame): max tokens can no longer exceed what the server accepts. */
 function setServerLimits(limits) {
   const limit = Number.isInteger(limits.max_tokens) && limits.max_tokens > 0 ? limits.max_tokens : null;
   if (!limit) return;
@@ -873,7 +883,7 @@ function showMaxTokensLimit() {
   else el.maxTokens.removeAttribute("max");
   el.maxTokensHelp.textContent = limit
     ? `The longest answer, in tokens: at most ${limit.toLocaleString("en-US")}, this server's limit.`
-    : "The longest answer, in tokens (the server's limit is known once a chat is open).";
+    : "The longest answer, in tokens (the server's limit is not known yet).";
 }
 
 // ---- theme -----------------------------------------------------------------------------
@@ -1020,5 +1030,6 @@ if (saved) {
 }
 if (settings.showCache && window.matchMedia("(min-width: 1200px)").matches) setCachePanel(true);
 loadSessions();
+loadLimits();
 autosize();
 updateComposer();

@@ -47,6 +47,9 @@ export class Api {
     return data;
   }
 
+  limits() {
+    return this.request("GET", "/v1/limits");
+  }
   listSessions() {
     return this.request("GET", "/v1/sessions");
   }
