@@ -34,10 +34,18 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
+
+
 def configure_logging(log_format: LogFormat, stream: TextIO | None = None) -> None:
     """The root logger at INFO, writing `log_format` lines to `stream` (default stderr). uvicorn's loggers
-    propagate to it when uvicorn is given no logging configuration of its own (`log_config=None`)."""
+    lose any handlers of their own (a uvicorn configured earlier in the process leaves some) and
+    propagate to it; uvicorn is then started with no logging configuration (`log_config=None`)."""
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    for name in UVICORN_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
 

@@ -270,7 +270,7 @@ async def chat_completions(request: Request[Any, Any, Any], data: dict[str, Any]
             raise ApiError("bad_request", "response_format cannot be combined with a required tool call")
         params = replace(params, response_format=tools.grammar())
     grammars = services.engine.core.grammars
-    await services.sessions.tokenize(lambda: compile_response_format(grammars, params.response_format))
+    await compile_response_format(grammars, params.response_format, services.sessions.tokenize)
     check_user(data)
     session_id = request.headers.get("x-session-id")
     if session_id:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from chatcore.config import Settings
@@ -119,12 +120,18 @@ def sampling_params(raw: Any, settings: Settings, *, allowed: set[str] = WS_PARA
                           **penalties)
 
 
-def compile_response_format(grammars: Grammars, fmt: ResponseFormat | None) -> None:
-    """Compile a request's grammar now (off the event loop: the first one builds the vocabulary's
-    tables), so that a schema the compiler cannot use is a 400, not a failed turn."""
+async def compile_response_format(grammars: Grammars, fmt: ResponseFormat | None,
+                                  tokenize: Callable[[Callable[[], None]], Awaitable[None]]) -> None:
+    """Compile a request's grammar now, on the tokenizer thread (the first one builds the vocabulary's
+    tables), so that a schema the compiler cannot use is a 400, not a failed turn. A request without
+    one never waits for that thread."""
     if fmt is None:
         return
-    try:
-        grammars.compile(fmt)
-    except GrammarError as exc:
-        raise ApiError("bad_request", f"response_format: {exc}") from exc
+
+    def work() -> None:
+        try:
+            grammars.compile(fmt)
+        except GrammarError as exc:
+            raise ApiError("bad_request", f"response_format: {exc}") from exc
+
+    await tokenize(work)

@@ -257,7 +257,7 @@ class Connection:
                                                     "calls); use POST /v1/chat/completions with the whole conversation")
         params = sampling_params(frame.get("params"), services.settings, vocab_size=services.engine.core.vocab_size)
         grammars = services.engine.core.grammars
-        await services.sessions.tokenize(lambda: compile_response_format(grammars, params.response_format))
+        await compile_response_format(grammars, params.response_format, services.sessions.tokenize)
         # An idle session may have gone cold (dropped from memory) while this socket stayed attached:
         # run the turn on the session's live state, never on the old object (that would fork the session).
         state = await self.services.sessions.open(self.principal.tenant_id, state.id)
