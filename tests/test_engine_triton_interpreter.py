@@ -45,7 +45,8 @@ def triton_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 
 def test_interpreted_kernels_serve_the_engine_exactly(make_core, loaded_fp32, hf_model, triton_calls) -> None:
     tok = loaded_fp32.tokenizer
-    core = make_core(block_size=4, num_blocks=16, low_watermark=0.0, high_watermark=0.0)
+    # The interpreter runs each step for seconds; a preempted request must not age out while it waits.
+    core = make_core(block_size=4, num_blocks=16, low_watermark=0.0, high_watermark=0.0, max_queue_wait_s=3600)
     prompts = [chat_ids(tok, QUESTIONS[0], SYSTEM), chat_ids(tok, QUESTIONS[1], SYSTEM), chat_ids(tok, QUESTIONS[2])]
     assert all(len(p) > 2 * 4 for p in prompts)
     params = [SamplingParams(max_tokens=MAX_TOKENS), SamplingParams(max_tokens=MAX_TOKENS),
