@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["tests.openai_fixtures"]
+pytest_plugins = ["tests.openai_fixtures", "tests.bench_fixtures"]
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite compares against transformers on the CPU, also on a machine with a GPU (whose

@@ -4,7 +4,6 @@ working. Timings at this size mean nothing; only the shape of the output is chec
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import pytest
 
 from bench import hitrate, memory
 from bench.workload import TraceConfig, generate
+from tests.bench_fixtures import BenchRun
 
 # SmolLM2-135M's attention FLOPs per position over its linear FLOPs per token (4 x 30 layers x 9
 # heads x 64 / (2 x 134,515,008)); `hitrate.run` takes it from the loaded model.
@@ -73,14 +73,9 @@ def test_memory_schemes_on_a_small_trace() -> None:
 
 
 @pytest.mark.model
-def test_bench_all_quick_tiny(tmp_path: Path, default_model_dir: Path) -> None:
-    env = {**os.environ, "CHATCORE_BENCH_TINY": "1", "TOKENIZERS_PARALLELISM": "false"}
-    # The installed console script, from outside the checkout: `bench` must be part of the install.
-    script = Path(sys.executable).with_name("chatcore")
-    proc = subprocess.run([str(script), "bench", "--suite", "all", "--quick", "--no-fail", "--out", str(tmp_path)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    data = json.loads((tmp_path / "results.json").read_text())
+def test_bench_all_quick_tiny(bench_all_quick_tiny: BenchRun) -> None:
+    tmp_path = bench_all_quick_tiny.out
+    data = bench_all_quick_tiny.results
     assert data["machine"]["tiny"] and data["machine"]["cpu"] and data["machine"]["torch"]
     suites = data["suites"]
     assert set(suites) == {"throughput", "multiturn", "hitrate", "memory", "sharing", "resume", "server", "sessions"}
@@ -124,16 +119,15 @@ def _bench_hitrate(out: Path, stderr: int) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.model
-def test_progress_bars_show_on_a_terminal_only(tmp_path: Path) -> None:
+def test_progress_bars_show_on_a_terminal_only(tmp_path: Path, bench_all_quick_tiny: BenchRun) -> None:
     import fcntl
     import pty
     import struct
     import termios
     import threading
 
-    piped = _bench_hitrate(tmp_path / "piped", subprocess.PIPE)
-    assert piped.returncode == 0 and "suites:" not in piped.stderr, piped.stderr  # logs stay clean
-    assert "[hitrate] running" in piped.stdout
+    piped = bench_all_quick_tiny.proc  # its output went to pipes: the logs stay clean
+    assert "suites:" not in piped.stderr and "[hitrate] running" in piped.stdout, piped.stderr
 
     master, terminal = pty.openpty()
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))

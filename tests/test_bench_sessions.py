@@ -1,19 +1,14 @@
-"""The sessions suite: its offline replay on hand-made traces, its overflow sizing, and a tiny run
-of `chatcore bench --suite sessions` through real servers (CHATCORE_BENCH_TINY=1: the numbers
+"""The sessions suite: its offline replay on hand-made traces, its overflow sizing, and the sessions suite
+of the shared tiny `chatcore bench --suite all --quick` run, through real servers (CHATCORE_BENCH_TINY=1: the numbers
 mean nothing, only the shape and the sanity of the output are checked)."""
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from bench.replay import Request, belady_hits, one_slot_hits, pool_hits, replay
 from bench.sessions import OVERFLOW, overflow_tiers
+from tests.bench_fixtures import BenchRun
 
 BS = 4
 
@@ -71,19 +66,15 @@ def test_overflow_tiers_hold_two_thirds_of_the_working_set() -> None:
 
 
 @pytest.mark.model
-def test_sessions_suite_tiny(tmp_path: Path, default_model_dir: Path) -> None:
-    env = {**os.environ, "CHATCORE_BENCH_TINY": "1", "TOKENIZERS_PARALLELISM": "false"}
-    script = Path(sys.executable).with_name("chatcore")
-    proc = subprocess.run([str(script), "bench", "--suite", "sessions", "--quick", "--no-fail", "--sessions", "3",
-                           "--turns", "2",
-                           "--out", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    suite = json.loads((tmp_path / "results.json").read_text())["suites"]["sessions"]
+def test_sessions_suite_tiny(bench_all_quick_tiny: BenchRun) -> None:
+    """The sessions suite of the shared tiny `--suite all --quick` run: 3 sessions x 3 turns, and
+    the overflow run's 6 sessions."""
+    suite = bench_all_quick_tiny.results["suites"]["sessions"]
     assert "error" not in suite, suite.get("error")
-    assert set(suite["runs"]) == {"3x2", "overflow"}
+    assert set(suite["runs"]) == {"3x3", "overflow"}
     for name, run in suite["runs"].items():
-        first, last = run["per_turn"]
-        assert len(run["per_turn"]) == 2 and first["ttft_median_ms"] > 0 and last["ttft_p90_ms"] > 0
+        first, last = run["per_turn"][0], run["per_turn"][-1]
+        assert len(run["per_turn"]) == 3 and first["ttft_median_ms"] > 0 and last["ttft_p90_ms"] > 0
         for turn in run["per_turn"]:
             cached = turn["mean_cached_device_tokens"] + turn["mean_cached_disk_tokens"]
             assert cached + turn["mean_recomputed_tokens"] == pytest.approx(turn["mean_prompt_tokens"])
@@ -103,5 +94,5 @@ def test_sessions_suite_tiny(tmp_path: Path, default_model_dir: Path) -> None:
     assert overflow["settings"]["num_blocks"] == overflow["device_blocks"] == overflow["server_tiers"]["device"]["blocks"]
     assert overflow["disk_blocks"] > 0 and overflow["working_set_over_tiers"] > 1
     assert len(suite["targets"]) == 4
-    assert (tmp_path / "sessions.png").stat().st_size > 1000
-    assert "| overflow (6 x 2) |" in (tmp_path / "table.md").read_text()
+    assert (bench_all_quick_tiny.out / "sessions.png").stat().st_size > 1000
+    assert "| overflow (6 x 3) |" in (bench_all_quick_tiny.out / "table.md").read_text()
