@@ -23,6 +23,9 @@ from chatcore.store.repos import Repos
 
 MAX_MESSAGES = 2000
 MAX_TOTAL_CHARS = 2_000_000
+# The body is read whole, so the character limit answers (413 too_large) rather than the server's
+# smaller default body limit, which refuses before reading and breaks the client's upload.
+MAX_BODY_BYTES = 4 * MAX_TOTAL_CHARS
 
 
 def _messages(data: dict[str, Any]) -> list[dict[str, str]]:
@@ -47,7 +50,7 @@ def _messages(data: dict[str, Any]) -> list[dict[str, str]]:
     return out
 
 
-@post("/v1/sessions/import", status_code=201)
+@post("/v1/sessions/import", status_code=201, request_max_body_size=MAX_BODY_BYTES)
 async def import_session(request: Request[Any, Any, Any], data: dict[str, Any]) -> dict[str, Any]:
     principal = await request.app.state.auth.principal(request)
     if not isinstance(data, dict):
