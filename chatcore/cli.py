@@ -189,11 +189,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Handler = args.handler
     if args.command in DEVICE_COMMANDS:
         from chatcore.models.device import DeviceUnavailable, resolve_device
-        from chatcore.models.loader import resolve_model_path
 
         try:
             resolve_device(settings.device)
             if settings.model != DEFAULT_MODEL:  # a missing model fails here, before a server starts
+                from chatcore.models.loader import resolve_model_path  # transformers: seconds to import
+
                 resolve_model_path(settings)
         except (DeviceUnavailable, ModelUnavailable) as exc:
             print(f"chatcore: {exc}", file=sys.stderr)

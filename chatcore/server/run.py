@@ -13,8 +13,6 @@ from sqlalchemy.exc import DBAPIError
 
 from chatcore.config import Settings
 from chatcore.logs import configure_logging
-from chatcore.models.loader import load_model
-from chatcore.server.app import create_app
 from chatcore.store.db import create_engine, create_sessionmaker
 from chatcore.store.repos import Repos
 
@@ -86,6 +84,10 @@ def serve_command(settings: Settings) -> int:
         return 2
     if exposure:
         log.warning("%s: without API keys (open mode) anyone who can reach this server can use it", exposure)
+    # Imported here: a refusal above answers before the seconds that transformers takes to import.
+    from chatcore.models.loader import load_model
+    from chatcore.server.app import create_app
+
     # Loaded before anything binds: a model refused at load (models/support.py) is one line and exit 2.
     app = create_app(settings, load_model(settings))
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
