@@ -13,11 +13,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import jsonschema
+import msgspec
 import openai
 import pytest
 
 from chatcore.config import Settings
 from chatcore.models.loader import load_model
+from chatcore.server.bodies import ChatMessage
 from chatcore.server.errors import ApiError
 from chatcore.server.openai_routes import parse_messages
 from chatcore.server.tools import CallReader, parse_tools
@@ -138,7 +140,7 @@ async def test_a_conversation_with_a_call_and_its_result_answers(client, tiny_se
                                                   temperature=0, max_tokens=4)
     assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.tool_calls is None
     engine = tiny_server.services.engine
-    rendered = engine.tokenizer.decode(engine.chat_prompt(parse_messages(messages), TOOLS))  # as the route does
+    rendered = engine.tokenizer.decode(engine.chat_prompt(parse_messages(msgspec.convert(messages, list[ChatMessage])), TOOLS))  # as the route does
     assert '"arguments": {"city": "Paris", "days": 3}' in rendered and "Sunny, 21 C." in rendered
     with pytest.raises(openai.BadRequestError, match="tool_call_id"):
         await client.chat.completions.create(model="tiny", max_tokens=2, messages=[
