@@ -82,6 +82,7 @@ def test_an_unknown_field_is_refused_by_name(live_server, method: str, path: str
     ({"max_tokens": "1"}, "bad_request", "max_tokens must be an integer or null"),
     ({"temperature": True}, "bad_request", "temperature must be a number or null"),
     ({"temperature": 2.5}, "bad_request", "temperature must be a number <= 2.0"),
+    ({"parallel_tool_calls": "yes"}, "bad_request", "parallel_tool_calls must be a boolean or null"),
     ({"messages": []}, "bad_request", "messages must be a list of length >= 1"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "bad_request",
      "messages[0].role: Invalid enum value 'robot'"),

@@ -16,6 +16,7 @@ MAX_TITLE = 200
 MAX_SYSTEM_PROMPT = 100_000
 MAX_IMPORT_MESSAGES = 2000
 MAX_LEGACY_LOGPROBS = 5
+MAX_TOOLS = 64
 
 Title = Annotated[str, Meta(max_length=MAX_TITLE)]
 SystemPrompt = Annotated[str, Meta(max_length=MAX_SYSTEM_PROMPT)]
@@ -45,7 +46,7 @@ class ChatCompletionRequest(ChatSampling, kw_only=True):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     store: Annotated[bool, Meta(description="not implemented: false only")] | None = None

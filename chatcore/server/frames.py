@@ -15,6 +15,7 @@ from chatcore.server.params import ChatSampling
 
 MAX_ID_CHARS = 128
 MAX_TOKEN_CHARS = 256
+MAX_KEY_CHARS = 256
 MAX_SEQ = 2**63 - 1  # frame numbers are stored as 64-bit integers
 
 
@@ -49,14 +50,14 @@ class Ping(msgspec.Struct, tag="ping", tag_field="type"):
 
 
 class Auth(msgspec.Struct, tag="auth", tag_field="type"):
-    api_key: str | None = None
+    api_key: Annotated[str, Meta(max_length=MAX_KEY_CHARS)] | None = None
 
 
 Frame = Hello | User | Cancel | Ping | Auth
 
 
-def decode_frame(frame: dict[str, Any]) -> Frame:
-    """A frame already parsed as a JSON object, as its Struct; `ApiError` `bad_request` names a bad field."""
+def decode_frame(frame: object) -> Frame:
+    """A frame parsed from JSON, as its Struct; `ApiError` `bad_request` names a bad field."""
     try:
         return msgspec.convert(frame, Frame, strict=True)
     except msgspec.ValidationError as exc:

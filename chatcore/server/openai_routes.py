@@ -226,8 +226,7 @@ async def _session_events(services: Services, tenant_id: str, session_id: str, m
 
 def _tools(services: Services, data: ChatCompletionRequest, messages: list[dict[str, Any]]) -> Tools | None:
     """The request's tools; a 400 where the model's chat template cannot take them."""
-    tools = parse_tools({"tools": data.tools, "tool_choice": data.tool_choice,
-                         "parallel_tool_calls": data.parallel_tool_calls})
+    tools = parse_tools(data)
     if (tools is not None or uses_tools(messages)) and not services.sessions.template.takes_tools:
         raise ApiError("unsupported_parameter", "tools: this model's chat template does not support tools (it "
                                                 "neither shows them to the model nor defines <tool_call> blocks)")

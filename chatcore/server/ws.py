@@ -53,7 +53,6 @@ CLOSE_CONFLICT = 4409
 MAX_QUEUED_FRAMES = 8192
 MAX_QUEUED_CHARS = 4 << 20  # of JSON text, 1 to 4 bytes each in memory
 AUTH_FRAME_TIMEOUT_S = 10.0  # keyed mode, no key on the upgrade: how long the `auth` frame may take
-MAX_KEY_CHARS = 256
 CLOSE_WAIT_S = 10.0  # after the handler ends, how long the last frames may take to leave
 
 
@@ -345,11 +344,11 @@ async def _authenticate(socket: WebSocket, auth: Authenticator, max_bytes: int) 
         return None
     text = message.get("text")
     try:
-        frame = json.loads(text) if text is not None and len(text) <= max_bytes else None
-    except (ValueError, RecursionError):
+        frame = decode_frame(json.loads(text)) if text is not None and len(text) <= max_bytes else None
+    except (ValueError, RecursionError, ApiError):
         frame = None
-    api_key = frame.get("api_key") if isinstance(frame, dict) and frame.get("type") == "auth" else None
-    if not isinstance(api_key, str) or not api_key or len(api_key) > MAX_KEY_CHARS:
+    api_key = frame.api_key if isinstance(frame, Auth) else None
+    if not api_key:
         raise ApiError("unauthorized", 'an API key is required: send {"type":"auth","api_key":...} first '
                                        "(or Authorization: Bearer, or api_key= on the upgrade)")
     return await auth.for_key(api_key)
