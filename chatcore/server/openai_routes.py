@@ -49,11 +49,11 @@ def refuse_unimplemented(data: msgspec.Struct, unimplemented: dict[str, Callable
                                                     f"leave it out (or send {name}: null)")
 
 
-def _text(content: Any) -> str:
+def _text(content: str | list[dict[str, Any]] | None) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+    if content is not None:
+        parts = [p.get("text") for p in content if p.get("type") == "text"]
         if all(isinstance(p, str) for p in parts) and parts:
             return "".join(parts)
     raise ApiError("bad_request", "message content must be a string or a list of text parts")
@@ -65,7 +65,7 @@ def _tool_calls(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
         raise ApiError("bad_request", "tool_calls must be a non-empty list")
     calls = []
     for call in raw:
-        fn = call.get("function") if isinstance(call, dict) else None
+        fn = call.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
             raise ApiError("bad_request", "each tool call needs a function with a name and its arguments as a string")
         try:
