@@ -83,6 +83,7 @@ def test_an_unknown_field_is_refused_by_name(live_server, method: str, path: str
     ({"temperature": True}, "bad_request", "temperature must be a number or null"),
     ({"temperature": 2.5}, "bad_request", "temperature must be a number <= 2.0"),
     ({"parallel_tool_calls": "yes"}, "bad_request", "parallel_tool_calls must be a boolean or null"),
+    ({"tool_choice": {"type": "function", "function": "f"}}, "bad_request", "tool_choice.function must be an object"),
     ({"messages": []}, "bad_request", "messages must be a list of length >= 1"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "bad_request",
      "messages[0].role: Invalid enum value 'robot'"),

@@ -37,6 +37,15 @@ class ChatMessage(msgspec.Struct):
     tool_call_id: str | None = None
 
 
+class FunctionName(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(ChatSampling, kw_only=True):
     """`POST /v1/chat/completions`; `top_k`, `ignore_eos` and `repetition_penalty` are extensions."""
 
@@ -47,7 +56,7 @@ class ChatCompletionRequest(ChatSampling, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     tools: Annotated[list[dict[str, Any]], Meta(max_length=MAX_TOOLS)] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Annotated[str, Meta(description='"auto", "required" or "none"')] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     store: Annotated[bool, Meta(description="not implemented: false only")] | None = None
     metadata: Annotated[dict[str, Any], Meta(description="not implemented: {} only")] | None = None

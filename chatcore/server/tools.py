@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chatcore.engine.grammar import ResponseFormat
-from chatcore.server.bodies import ChatCompletionRequest
+from chatcore.server.bodies import ChatCompletionRequest, NamedToolChoice
 from chatcore.server.errors import ApiError
 from chatcore.sessions.template import TOOL_CALL_CLOSE as CLOSE
 from chatcore.sessions.template import TOOL_CALL_OPEN as OPEN
@@ -81,11 +81,10 @@ def parse_tools(request: ChatCompletionRequest) -> Tools | None:
         raise ApiError("bad_request", "tools must have distinct names")
     if choice is None:
         choice = "auto"
-    elif isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        if name not in names:
+    elif isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
             raise ApiError("bad_request", "tool_choice must name one of the tools")
-        choice = name
+        choice = choice.function.name
     elif choice not in ("auto", "required", "none"):
         raise ApiError("bad_request", "tool_choice must be 'auto', 'required', 'none' or a named function")
     return Tools(tuple(functions), choice, request.parallel_tool_calls is not False)
