@@ -26,6 +26,8 @@ from chatcore.server import (
     session_routes,
 )
 from chatcore.server.auth import Authenticator, RevocationWatch, host_allowed
+from chatcore.server.body_decoding import StrictRequest
+from chatcore.server.deps import DEPENDENCIES
 from chatcore.server.errors import (
     ApiError,
     api_error_handler,
@@ -34,6 +36,7 @@ from chatcore.server.errors import (
     recursion_error_handler,
     session_error_handler,
 )
+from chatcore.server.openapi_schema import StructBodySchemaPlugin
 from chatcore.server.services import Services
 from chatcore.server.ws import chat_socket, origin_allowed
 from chatcore.sessions.manager import SessionError
@@ -127,6 +130,9 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> Litesta
             ops_routes.metrics,
         ],
         lifespan=[lifespan],
+        dependencies=DEPENDENCIES,
+        plugins=[StructBodySchemaPlugin()],
+        request_class=StrictRequest,  # bodies decoded strictly into their Structs
         before_request=same_origin,
         cors_config=cors_config(settings.allowed_origins),
         logging_config=None,  # `chatcore serve` configures logging (chatcore.logs), text or JSON

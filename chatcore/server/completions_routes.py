@@ -10,14 +10,15 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
-from litestar import Request, Response, post
+from litestar import Response, post
 from litestar.response import Stream
 
 from chatcore.engine.outputs import TokenLogprob
+from chatcore.engine.token_logprobs import TokenTexts, legacy
+from chatcore.server.auth import Principal
+from chatcore.server.bodies import CompletionRequest
 from chatcore.server.errors import ApiError
 from chatcore.server.openai_routes import (
-    SAMPLING_FIELDS,
-    check_user,
     engine_events,
     finish_reason,
     refuse_unimplemented,
@@ -25,11 +26,7 @@ from chatcore.server.openai_routes import (
 )
 from chatcore.server.params import sampling_params
 from chatcore.server.services import Services
-from chatcore.engine.token_logprobs import TokenTexts, legacy
 
-COMPLETIONS_PARAMS = {"model", "prompt", "max_tokens", "stream", "stream_options", "user", "logprobs", "echo",
-                      "suffix", "best_of", *SAMPLING_FIELDS}
-MAX_LEGACY_LOGPROBS = 5
 # Accepted only at the value that asks for nothing, else 400 unsupported_parameter.
 UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     "echo": lambda v: v is False,
@@ -38,7 +35,7 @@ UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def _prompt(value: Any, vocab_size: int) -> str | list[int]:
+def _prompt(value: str | list[Any], vocab_size: int) -> str | list[int]:
     """A non-empty string, or a non-empty list of token ids in the vocabulary."""
     if isinstance(value, str):
         if not value:
@@ -60,15 +57,6 @@ def _prompt_ids(tokenizer: Any, prompt: str | list[int]) -> Callable[[], list[in
     if isinstance(prompt, list):
         return lambda: prompt
     return lambda: list(tokenizer(prompt)["input_ids"])
-
-
-def _legacy_logprobs(value: Any) -> dict[str, Any]:
-    """`logprobs: k` (0..5): each token's log-prob and its k best alternatives."""
-    if value is None:
-        return {}
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LEGACY_LOGPROBS:
-        raise ApiError("bad_request", f"logprobs must be an integer between 0 and {MAX_LEGACY_LOGPROBS}")
-    return {"logprobs": True, "top_logprobs": value}
 
 
 class TextCompletion:
@@ -116,29 +104,19 @@ def _sse(data: dict[str, Any]) -> str:
 
 
 @post("/v1/completions", status_code=200)
-async def completions(request: Request[Any, Any, Any], data: dict[str, Any]) -> Response[Any]:
-    services: Services = request.app.state.services
-    principal = await request.app.state.auth.principal(request)
-    unknown = sorted(set(data) - COMPLETIONS_PARAMS)
-    if unknown:
-        raise ApiError("bad_request", f"unsupported fields: {', '.join(unknown)}")
+async def completions(data: CompletionRequest, services: Services, principal: Principal) -> Response[Any]:
     refuse_unimplemented(data, UNIMPLEMENTED)
     vocab_size = services.engine.core.vocab_size
-    prompt = _prompt(data.get("prompt"), vocab_size)
-    raw = {k: data[k] for k in (*SAMPLING_FIELDS, "max_tokens") if data.get(k) is not None}
-    raw.update(_legacy_logprobs(data.get("logprobs")))
-    params = sampling_params(raw, services.settings, allowed=set(raw), vocab_size=vocab_size,
+    prompt = _prompt(data.prompt, vocab_size)
+    # `logprobs: k`: each token's log-prob and its k best alternatives.
+    params = sampling_params(data, services.settings, vocab_size=vocab_size, max_tokens=data.max_tokens,
+                             logprobs=data.logprobs is not None, top_logprobs=data.logprobs or 0,
                              default_temperature=1.0, default_max_tokens=16)
-    check_user(data)
-    stream = data.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError("bad_request", "stream must be a boolean")
     events = engine_events(services, principal.tenant_id, _prompt_ids(services.engine.tokenizer, prompt), params,
-                           data.get("max_tokens") is not None)
+                           data.max_tokens is not None)
     completion = TextCompletion(services, services.sessions.token_texts if params.logprobs else None)
-    if stream:
-        options = data.get("stream_options") or {}
-        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+    if data.stream:
+        include_usage = data.stream_options is not None and data.stream_options.include_usage
         first = await anext(events)  # errors before the first event become plain HTTP errors
         return Stream(_stream(completion, first, events, include_usage), media_type="text/event-stream",
                       headers={"Cache-Control": "no-cache"})

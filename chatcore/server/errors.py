@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import re
 
+import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
@@ -39,6 +41,24 @@ class ApiError(Exception):
 
 def from_session_error(exc: SessionError) -> ApiError:
     return ApiError(exc.code, str(exc))
+
+
+KINDS = {"bool": "a boolean", "int": "an integer", "float": "a number", "str": "a string", "array": "a list",
+         "object": "an object", "null": "null"}
+EXPECTED = re.compile(r"Expected `(?P<types>[^`]+)`(?:, got `[^`]+`)?(?P<bound>.*)")
+
+
+def from_validation_error(exc: msgspec.ValidationError) -> ApiError:
+    """A body or frame that does not match its Struct: `bad_request` naming the field ("top_p must be a number
+    <= 1.0", "params: Object contains unknown field `x`")."""
+    what, _, where = str(exc).partition(" - at `$")
+    where = where.removesuffix("`").removeprefix(".")
+    expected = EXPECTED.fullmatch(what)
+    if expected is not None and where:
+        types = expected["types"].split(" | ")
+        kinds = [KINDS.get(t, t) for t in types if t != "null"] + ["null"] * ("null" in types)
+        return ApiError("bad_request", f"{where} must be {' or '.join(kinds)}{expected['bound']}")
+    return ApiError("bad_request", f"{where}: {what}" if where else what)
 
 
 RETRY_AFTER_S = 1  # `busy` is a moment's congestion (a full queue, a tenant's turns in flight)

@@ -12,56 +12,41 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Request, post
+from litestar import post
 
 from chatcore.cache import chain_hashes
+from chatcore.server.auth import Principal
+from chatcore.server.bodies import ImportedMessage, ImportSession
 from chatcore.server.errors import ApiError
 from chatcore.server.services import Services
-from chatcore.server.session_routes import MAX_SYSTEM_PROMPT, MAX_TITLE, _optional_text
 from chatcore.sessions.state import SessionState
 from chatcore.store.repos import Repos
 
-MAX_MESSAGES = 2000
 MAX_TOTAL_CHARS = 2_000_000
 # The body is read whole, so the character limit answers (413 too_large) rather than the server's
 # smaller default body limit, which refuses before reading and breaks the client's upload.
 MAX_BODY_BYTES = 4 * MAX_TOTAL_CHARS
 
 
-def _messages(data: dict[str, Any]) -> list[dict[str, str]]:
-    """Complete exchanges only: user, assistant, user, assistant… each `{"role", "content"}`."""
-    raw = data.get("messages")
-    if not isinstance(raw, list) or not raw or len(raw) > MAX_MESSAGES or len(raw) % 2:
-        raise ApiError("bad_request", f"messages must be a list of 2 to {MAX_MESSAGES} messages, "
-                                      "whole exchanges (a user message, then its answer)")
-    out: list[dict[str, str]] = []
-    total = 0
+def _messages(raw: list[ImportedMessage]) -> list[dict[str, str]]:
+    """Complete exchanges only: user, assistant, user, assistant…"""
+    if len(raw) % 2:
+        raise ApiError("bad_request", "messages must be whole exchanges (a user message, then its answer)")
     for i, m in enumerate(raw):
         expected = "user" if i % 2 == 0 else "assistant"
-        if not isinstance(m, dict) or set(m) - {"role", "content"} or m.get("role") != expected:
+        if m.role != expected:
             raise ApiError("bad_request", f"messages[{i}] must be {{\"role\": \"{expected}\", \"content\": string}}")
-        content = m.get("content")
-        if not isinstance(content, str):
-            raise ApiError("bad_request", f"messages[{i}].content must be a string")
-        total += len(content)
-        out.append({"role": expected, "content": content})
+    total = sum(len(m.content) for m in raw)
     if total > MAX_TOTAL_CHARS:
         raise ApiError("too_large", f"the messages hold {total} characters; the limit is {MAX_TOTAL_CHARS}")
-    return out
+    return [{"role": m.role, "content": m.content} for m in raw]
 
 
 @post("/v1/sessions/import", status_code=201, request_max_body_size=MAX_BODY_BYTES)
-async def import_session(request: Request[Any, Any, Any], data: dict[str, Any]) -> dict[str, Any]:
-    principal = await request.app.state.auth.principal(request)
-    if not isinstance(data, dict):
-        raise ApiError("bad_request", "the body must be a JSON object")
-    unknown = sorted(set(data) - {"title", "system_prompt", "messages"})
-    if unknown:
-        raise ApiError("bad_request", f"unknown fields: {', '.join(unknown)}")
-    title = _optional_text(data, "title", MAX_TITLE) or "Imported chat"
-    system_prompt = _optional_text(data, "system_prompt", MAX_SYSTEM_PROMPT) or None
-    messages = _messages(data)
-    services: Services = request.app.state.services
+async def import_session(data: ImportSession, services: Services, principal: Principal) -> dict[str, Any]:
+    title = data.title or "Imported chat"
+    system_prompt = data.system_prompt or None
+    messages = _messages(data.messages)
     manager = services.sessions
     state, token = await manager.create(principal.tenant_id, system_prompt=system_prompt, title=title)
     try:

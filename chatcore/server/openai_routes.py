@@ -15,6 +15,7 @@ from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
 
+import msgspec
 from litestar import Request, Response, get, post
 from litestar.response import Stream
 
@@ -22,22 +23,14 @@ from chatcore.engine.outputs import RequestOutput, TokenLogprob
 from chatcore.engine.request import SamplingParams
 from chatcore.engine.scheduler import QueueFull, RequestRejected
 from chatcore.engine.token_logprobs import TokenTexts, chat_content
+from chatcore.server.auth import Principal
+from chatcore.server.bodies import ChatCompletionRequest, ChatMessage
 from chatcore.server.errors import ApiError
 from chatcore.server.params import compile_response_format, sampling_params
 from chatcore.server.services import Services
 from chatcore.server.tools import Tools, parse_tools, read_calls
 from chatcore.server.ws import arm_grace
 from chatcore.turnlog import log_turn
-
-OPENAI_PARAMS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed", "stop", "user",
-                 "stream", "stream_options", "messages", "model", "frequency_penalty", "presence_penalty",
-                 "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "response_format", "tools",
-                 "tool_choice", "parallel_tool_calls", "metadata", "store", "service_tier", "top_k", "ignore_eos"}
-# The request fields that become `SamplingParams` (see chatcore/server/params.py), besides max_tokens.
-SAMPLING_FIELDS = ("temperature", "top_p", "n", "seed", "stop", "top_k", "ignore_eos", "presence_penalty",
-                   "frequency_penalty", "repetition_penalty", "logit_bias", "response_format")
-ROLES = {"system", "user", "assistant", "developer", "tool"}
-
 
 # OpenAI fields chatcore does not implement. Each is accepted only at the value that asks for nothing
 # (clients that send every default keep working) and is otherwise refused, never silently dropped.
@@ -48,31 +41,31 @@ UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def refuse_unimplemented(data: dict[str, Any], unimplemented: dict[str, Callable[[Any], bool]] = UNIMPLEMENTED) -> None:
+def refuse_unimplemented(data: msgspec.Struct, unimplemented: dict[str, Callable[[Any], bool]]) -> None:
     for name, neutral in unimplemented.items():
-        value = data.get(name)
+        value = getattr(data, name)
         if value is not None and not neutral(value):
             raise ApiError("unsupported_parameter", f"{name} is not supported by this server; "
                                                     f"leave it out (or send {name}: null)")
 
 
-def _text(content: Any) -> str:
+def _text(content: str | list[dict[str, Any]] | None) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+    if content is not None:
+        parts = [p.get("text") for p in content if p.get("type") == "text"]
         if all(isinstance(p, str) for p in parts) and parts:
             return "".join(parts)
     raise ApiError("bad_request", "message content must be a string or a list of text parts")
 
 
-def _tool_calls(raw: Any) -> list[dict[str, Any]]:
+def _tool_calls(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """An assistant message's `tool_calls`, with their arguments as objects (as chat templates render them)."""
-    if not isinstance(raw, list) or not raw:
+    if not raw:
         raise ApiError("bad_request", "tool_calls must be a non-empty list")
     calls = []
     for call in raw:
-        fn = call.get("function") if isinstance(call, dict) else None
+        fn = call.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
             raise ApiError("bad_request", "each tool call needs a function with a name and its arguments as a string")
         try:
@@ -85,25 +78,21 @@ def _tool_calls(raw: Any) -> list[dict[str, Any]]:
     return calls
 
 
-def parse_messages(raw: Any) -> list[dict[str, Any]]:
+def parse_messages(raw: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages for the chat template. An assistant message may carry `tool_calls` (then its content
     may be null), and a `tool` message answers one by its `tool_call_id`."""
-    if not isinstance(raw, list) or not raw:
-        raise ApiError("bad_request", "messages must be a non-empty list")
     out: list[dict[str, Any]] = []
     for item in raw:
-        if not isinstance(item, dict) or item.get("role") not in ROLES:
-            raise ApiError("bad_request", f"each message needs a role in {sorted(ROLES)}")
-        role = "system" if item["role"] == "developer" else item["role"]
-        if role == "assistant" and item.get("tool_calls") is not None:
-            content = "" if item.get("content") is None else _text(item["content"])
-            out.append({"role": role, "content": content, "tool_calls": _tool_calls(item["tool_calls"])})
+        role = "system" if item.role == "developer" else item.role
+        if role == "assistant" and item.tool_calls is not None:
+            content = "" if item.content is None else _text(item.content)
+            out.append({"role": role, "content": content, "tool_calls": _tool_calls(item.tool_calls)})
         elif role == "tool":
-            if not isinstance(item.get("tool_call_id"), str):
+            if item.tool_call_id is None:
                 raise ApiError("bad_request", "a tool message needs the tool_call_id it answers")
-            out.append({"role": role, "content": _text(item.get("content")), "tool_call_id": item["tool_call_id"]})
+            out.append({"role": role, "content": _text(item.content), "tool_call_id": item.tool_call_id})
         else:
-            out.append({"role": role, "content": _text(item.get("content"))})
+            out.append({"role": role, "content": _text(item.content)})
     return out
 
 
@@ -113,11 +102,6 @@ def uses_tools(messages: list[dict[str, Any]]) -> bool:
 
 def finish_reason(reason: str) -> str:
     return reason if reason in ("stop", "length", "tool_calls") else "stop"
-
-
-def check_user(data: dict[str, Any]) -> None:
-    if data.get("user") is not None and not isinstance(data["user"], str):
-        raise ApiError("bad_request", "user must be a string")
 
 
 def usage(prompt: int, cached: int, completion: int) -> dict[str, Any]:
@@ -240,7 +224,7 @@ async def _session_events(services: Services, tenant_id: str, session_id: str, m
             arm_grace(services, state)  # the HTTP client left mid-answer, like a dropped socket
 
 
-def _tools(services: Services, data: dict[str, Any], messages: list[dict[str, Any]]) -> Tools | None:
+def _tools(services: Services, data: ChatCompletionRequest, messages: list[dict[str, Any]]) -> Tools | None:
     """The request's tools; a 400 where the model's chat template cannot take them."""
     tools = parse_tools(data)
     if (tools is not None or uses_tools(messages)) and not services.sessions.template.takes_tools:
@@ -250,19 +234,13 @@ def _tools(services: Services, data: dict[str, Any], messages: list[dict[str, An
 
 
 @post("/v1/chat/completions", status_code=200)
-async def chat_completions(request: Request[Any, Any, Any], data: dict[str, Any]) -> Response[Any]:
-    services: Services = request.app.state.services
-    principal = await request.app.state.auth.principal(request)
-    unknown = sorted(set(data) - OPENAI_PARAMS)
-    if unknown:
-        raise ApiError("bad_request", f"unsupported fields: {', '.join(unknown)}")
-    refuse_unimplemented(data)
-    messages = parse_messages(data.get("messages"))
-    raw = {k: data[k] for k in (*SAMPLING_FIELDS, "logprobs", "top_logprobs") if data.get(k) is not None}
-    max_tokens = data.get("max_completion_tokens", data.get("max_tokens"))
-    if max_tokens is not None:
-        raw["max_tokens"] = max_tokens
-    params = sampling_params(raw, services.settings, allowed=set(raw), vocab_size=services.engine.core.vocab_size,
+async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletionRequest, services: Services,
+                           principal: Principal) -> Response[Any]:
+    refuse_unimplemented(data, UNIMPLEMENTED)
+    messages = parse_messages(data.messages)
+    max_tokens = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
+    params = sampling_params(data, services.settings, vocab_size=services.engine.core.vocab_size,
+                             max_tokens=max_tokens, logprobs=bool(data.logprobs), top_logprobs=data.top_logprobs or 0,
                              default_temperature=1.0, default_max_tokens=512)
     tools = _tools(services, data, messages)
     if tools is not None and tools.grammar() is not None:
@@ -271,7 +249,6 @@ async def chat_completions(request: Request[Any, Any, Any], data: dict[str, Any]
         params = replace(params, response_format=tools.grammar())
     grammars = services.engine.core.grammars
     await compile_response_format(grammars, params.response_format, services.sessions.tokenize)
-    check_user(data)
     session_id = request.headers.get("x-session-id")
     if session_id:
         if params.logprobs:
@@ -289,12 +266,8 @@ async def chat_completions(request: Request[Any, Any, Any], data: dict[str, Any]
         if tools is not None and tools.choice != "none":
             events = read_calls(events, tools)
     completion = Completion(services, services.sessions.token_texts if params.logprobs else None)
-    stream = data.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError("bad_request", "stream must be a boolean")
-    if stream:
-        options = data.get("stream_options") or {}
-        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+    if data.stream:
+        include_usage = data.stream_options is not None and data.stream_options.include_usage
         first = await anext(events)  # errors before the first event become plain HTTP errors
         return Stream(_sse(completion, first, events, params.n, include_usage), media_type="text/event-stream",
                       headers={"Cache-Control": "no-cache"})
@@ -351,8 +324,6 @@ async def _sse(completion: Completion, first: tuple[str, Any], events: AsyncIter
 
 
 @get("/v1/models")
-async def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
-    services: Services = request.app.state.services
-    await request.app.state.auth.principal(request)
+async def list_models(services: Services) -> dict[str, Any]:
     return {"object": "list", "data": [{"id": services.model_name, "object": "model", "created": 0,
                                         "owned_by": "chatcore"}]}

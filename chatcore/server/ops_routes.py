@@ -7,7 +7,7 @@ import logging
 from collections.abc import Awaitable
 from typing import Any
 
-from litestar import Request, Response, get
+from litestar import Response, get
 from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 from prometheus_client import generate_latest
@@ -17,6 +17,7 @@ from sqlalchemy import func, select
 from chatcore.cache import audit
 from chatcore.engine.core import EngineCore
 from chatcore.periodic import Periodic
+from chatcore.server.auth import Principal
 from chatcore.server.errors import ApiError
 from chatcore.server.services import Services
 from chatcore.store.models import ChatSession
@@ -35,10 +36,9 @@ async def healthz() -> dict[str, str]:
 
 
 @get("/readyz")
-async def readyz(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+async def readyz(services: Services) -> Response[dict[str, Any]]:
     """Readiness: the engine thread runs a command between two steps, and the database answers a
     query, each within `READY_TIMEOUT_S`. 503 names the failing check (and nothing more)."""
-    services: Services = request.app.state.services
 
     async def database() -> None:
         async with services.sessionmaker() as db:
@@ -68,9 +68,8 @@ async def metrics_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None
 
 
 @get("/metrics", media_type=CONTENT_TYPE_LATEST, guards=[metrics_guard])
-async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
+async def metrics(services: Services) -> Response[bytes]:
     """O(1): the counters catch up with two running totals; the gauges are `GaugeRefresher`'s."""
-    services: Services = request.app.state.services
     m = services.metrics
     m.catch_up(m.preemptions, services.engine.core.scheduler.preemptions)
     # Corrupt, truncated or foreign block files the disk tier refused to use.
@@ -137,9 +136,7 @@ def block_map(core: EngineCore, request_sessions: dict[str, str]) -> dict[str, A
 
 
 @get("/v1/admin/cache")
-async def admin_cache(request: Request[Any, Any, Any]) -> dict[str, Any]:
-    services: Services = request.app.state.services
-    principal = await request.app.state.auth.principal(request)
+async def admin_cache(services: Services, principal: Principal) -> dict[str, Any]:
     if not principal.is_admin:
         raise ApiError("unauthorized", "the admin routes need an admin key")
     live = services.sessions.live

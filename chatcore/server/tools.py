@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from chatcore.engine.grammar import ResponseFormat
+from chatcore.server.bodies import ChatCompletionRequest, NamedToolChoice
 from chatcore.server.errors import ApiError
 from chatcore.sessions.template import TOOL_CALL_CLOSE as CLOSE
 from chatcore.sessions.template import TOOL_CALL_OPEN as OPEN
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-MAX_TOOLS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,21 +57,17 @@ class Tools:
         return ResponseFormat("tool_call", json.dumps(schema, sort_keys=True))
 
 
-def parse_tools(data: dict[str, Any]) -> Tools | None:
-    """`tools`, `tool_choice` and `parallel_tool_calls` from a chat completion request (None without
-    tools); `ApiError` names the first bad field."""
-    raw, choice, parallel = data.get("tools"), data.get("tool_choice"), data.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise ApiError("bad_request", "parallel_tool_calls must be a boolean")
+def parse_tools(request: ChatCompletionRequest) -> Tools | None:
+    """A chat completion request's `tools`, `tool_choice` and `parallel_tool_calls` (None without tools);
+    `ApiError` names the first bad field."""
+    raw, choice = request.tools, request.tool_choice
     if not raw:
         if choice not in (None, "none"):
             raise ApiError("bad_request", "tool_choice needs tools")
         return None
-    if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
-        raise ApiError("bad_request", f"tools must be a list of at most {MAX_TOOLS} functions")
     functions = []
     for i, tool in enumerate(raw):
-        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        fn = tool.get("function") if tool.get("type") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not FUNCTION_NAME.fullmatch(fn["name"]):
             raise ApiError("bad_request", f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": "
                                           "1-64 letters, digits, _ or -, ...}}")
@@ -85,14 +81,13 @@ def parse_tools(data: dict[str, Any]) -> Tools | None:
         raise ApiError("bad_request", "tools must have distinct names")
     if choice is None:
         choice = "auto"
-    elif isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        if name not in names:
+    elif isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
             raise ApiError("bad_request", "tool_choice must name one of the tools")
-        choice = name
+        choice = choice.function.name
     elif choice not in ("auto", "required", "none"):
         raise ApiError("bad_request", "tool_choice must be 'auto', 'required', 'none' or a named function")
-    return Tools(tuple(functions), choice, parallel is not False)
+    return Tools(tuple(functions), choice, request.parallel_tool_calls is not False)
 
 
 def new_call_id() -> str:

@@ -15,6 +15,7 @@ import logging
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
+import msgspec
 from litestar import WebSocket, websocket
 from litestar.connection import ASGIConnection
 
@@ -26,6 +27,16 @@ from chatcore.server.auth import (
     presented_key,
 )
 from chatcore.server.errors import ApiError, from_session_error
+from chatcore.server.frames import (
+    Auth,
+    Cancel,
+    Frame,
+    Hello,
+    Ping,
+    SessionParams,
+    User,
+    decode_frame,
+)
 from chatcore.server.params import compile_response_format, sampling_params
 from chatcore.server.services import Services
 from chatcore.sessions.manager import SessionError
@@ -35,9 +46,6 @@ log = logging.getLogger(__name__)
 CLOSE_POLICY = 1008
 CLOSE_TOO_BIG = 1009
 CLOSE_CONFLICT = 4409
-MAX_ID_CHARS = 128
-MAX_TITLE_CHARS = 200
-MAX_SEQ = 2**63 - 1  # frame numbers are stored as 64-bit integers
 # What may wait for a client that does not read (beyond what the kernel's socket buffers hold):
 # a whole 2,048-token turn fits many times over. Past either bound the socket is closed (1008)
 # and the queue dropped. Characters bound the frames that are big (a `session` frame carries the
@@ -45,7 +53,6 @@ MAX_SEQ = 2**63 - 1  # frame numbers are stored as 64-bit integers
 MAX_QUEUED_FRAMES = 8192
 MAX_QUEUED_CHARS = 4 << 20  # of JSON text, 1 to 4 bytes each in memory
 AUTH_FRAME_TIMEOUT_S = 10.0  # keyed mode, no key on the upgrade: how long the `auth` frame may take
-MAX_KEY_CHARS = 256
 CLOSE_WAIT_S = 10.0  # after the handler ends, how long the last frames may take to leave
 
 
@@ -191,41 +198,30 @@ class Connection:
         self.pump = asyncio.create_task(pump())
 
     # ----- frames ----------------------------------------------------------------------------
-    async def handle(self, frame: dict[str, Any]) -> None:
-        kind = frame.get("type")
-        if kind == "ping":
+    async def handle(self, frame: Frame) -> None:
+        if isinstance(frame, Ping):
             self.send({"type": "pong"})
-        elif kind == "hello":
+        elif isinstance(frame, Hello):
             await self.hello(frame)
-        elif kind == "user":
+        elif isinstance(frame, User):
             await self.user(frame)
-        elif kind == "auth":  # open mode ignores keys, as it ignores Authorization headers
+        elif isinstance(frame, Auth):  # open mode ignores keys, as it ignores Authorization headers
             if self.principal.key_id is not None:
                 raise ApiError("bad_request", "this socket is authenticated already; auth is only a first frame")
-        elif kind == "cancel":
+        elif isinstance(frame, Cancel):
             if self.state is None:
                 raise ApiError("bad_request", "send hello first")
             await self.services.turns.cancel(self.state, "cancelled")
-        elif isinstance(kind, str):
-            raise ApiError("bad_request", f"unknown frame type {kind[:40]!r}")
-        else:
-            raise ApiError("bad_request", "every frame needs a string 'type'")
 
-    async def hello(self, frame: dict[str, Any]) -> None:
-        session_id = _optional_str(frame, "session_id", MAX_ID_CHARS)
-        token = _optional_str(frame, "resume_token", 256)
-        system_prompt = _optional_str(frame, "system_prompt", 100_000)
-        title = _optional_str(frame, "title", MAX_TITLE_CHARS) or ""
-        last_seq = frame.get("last_seq")
-        if last_seq is not None and (isinstance(last_seq, bool) or not isinstance(last_seq, int)
-                                     or not 0 <= last_seq <= MAX_SEQ):
-            raise ApiError("bad_request", "last_seq must be a non-negative 64-bit integer or null")
+    async def hello(self, frame: Hello) -> None:
+        session_id, token, last_seq = frame.session_id, frame.resume_token, frame.last_seq
         routed = self.socket.query_params.get("session_id")  # for nginx's affinity (docs/deploy.md)
         if routed and session_id is not None and routed != session_id:
             raise ApiError("bad_request", "the session_id in the URL and in hello differ")
         manager = self.services.sessions
         if session_id is None:
-            state, token = await manager.create(self.principal.tenant_id, system_prompt=system_prompt, title=title,
+            state, token = await manager.create(self.principal.tenant_id, system_prompt=frame.system_prompt,
+                                                title=frame.title or "",
                                                 id_hint=self.socket.headers.get("x-chatcore-new-session"))
         else:
             state = await manager.resume(self.principal.tenant_id, session_id, token)
@@ -241,21 +237,22 @@ class Connection:
         if current is not None and (state.turn_running or last_seq is not None):
             self.follow(state, last_seq)
 
-    async def user(self, frame: dict[str, Any]) -> None:
+    async def user(self, frame: User) -> None:
         state = self.state
         if state is None:
             raise ApiError("bad_request", "send hello first")
-        client_id = frame.get("id")
-        if not isinstance(client_id, str) or not client_id or len(client_id) > MAX_ID_CHARS:
-            raise ApiError("bad_request", f"'id' must be a string of 1 to {MAX_ID_CHARS} characters")
-        content = frame.get("content")
-        if not isinstance(content, str) or not content.strip():
+        client_id = frame.id
+        if not frame.content.strip():
             raise ApiError("bad_request", "'content' must be a non-empty string")
         services = self.services
-        if isinstance(frame.get("params"), dict) and {"tools", "tool_choice"} & set(frame["params"]):
+        fields = frame.params or SessionParams()
+        if fields.tools is not msgspec.UNSET or fields.tool_choice is not msgspec.UNSET:
             raise ApiError("unsupported_parameter", "tools are not available in sessions (a session keeps no tool "
                                                     "calls); use POST /v1/chat/completions with the whole conversation")
-        params = sampling_params(frame.get("params"), services.settings, vocab_size=services.engine.core.vocab_size)
+        params = sampling_params(fields, services.settings, vocab_size=services.engine.core.vocab_size,
+                                 max_tokens=fields.max_tokens, logprobs=bool(fields.logprobs),
+                                 top_logprobs=fields.top_logprobs or 0, default_max_tokens=256,
+                                 default_temperature=0.7)
         grammars = services.engine.core.grammars
         await compile_response_format(grammars, params.response_format, services.sessions.tokenize)
         # An idle session may have gone cold (dropped from memory) while this socket stayed attached:
@@ -273,10 +270,9 @@ class Connection:
             return
         if used:
             raise ApiError("bad_request", f"message id {client_id!r} was already used in this session")
-        raw = frame.get("params")
-        await self.services.turns.start(state, content, params, client_id,
+        await self.services.turns.start(state, frame.content, params, client_id,
                                         still_current=lambda: self.holds(state.id),
-                                        max_tokens_given=isinstance(raw, dict) and raw.get("max_tokens") is not None)
+                                        max_tokens_given=fields.max_tokens is not None)
         self.follow(state, self.last_seq)
 
     def holds(self, session_id: str) -> bool:
@@ -285,18 +281,8 @@ class Connection:
         return not self.closed and self.attachments().get(session_id) is self
 
 
-def _optional_str(frame: dict[str, Any], name: str, limit: int) -> str | None:
-    value = frame.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, str) or len(value) > limit:
-        raise ApiError("bad_request", f"'{name}' must be a string of at most {limit} characters, or null")
-    return value
-
-
 @websocket("/v1/ws")
-async def chat_socket(socket: WebSocket) -> None:
-    services: Services = socket.app.state.services
+async def chat_socket(socket: WebSocket, services: Services) -> None:
     settings = services.settings
     auth: Authenticator = socket.app.state.auth
     if not origin_allowed(socket, settings.allowed_origins) or not await host_allowed(
@@ -358,11 +344,11 @@ async def _authenticate(socket: WebSocket, auth: Authenticator, max_bytes: int) 
         return None
     text = message.get("text")
     try:
-        frame = json.loads(text) if text is not None and len(text) <= max_bytes else None
-    except (ValueError, RecursionError):
+        frame = decode_frame(json.loads(text)) if text is not None and len(text) <= max_bytes else None
+    except (ValueError, RecursionError, ApiError):
         frame = None
-    api_key = frame.get("api_key") if isinstance(frame, dict) and frame.get("type") == "auth" else None
-    if not isinstance(api_key, str) or not api_key or len(api_key) > MAX_KEY_CHARS:
+    api_key = frame.api_key if isinstance(frame, Auth) else None
+    if not api_key:
         raise ApiError("unauthorized", 'an API key is required: send {"type":"auth","api_key":...} first '
                                        "(or Authorization: Bearer, or api_key= on the upgrade)")
     return await auth.for_key(api_key)
@@ -403,7 +389,7 @@ async def _on_message(conn: Connection, message: dict[str, Any], max_bytes: int)
         conn.error("bad_request", "frames must be valid Unicode: lone surrogate escapes are not allowed")
         return
     try:
-        await conn.handle(frame)
+        await conn.handle(decode_frame(frame))
     except ApiError as exc:
         conn.send(exc.frame())
         if exc.code == "unauthorized":
