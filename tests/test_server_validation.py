@@ -109,5 +109,10 @@ async def test_a_frame_with_a_bad_field_type_gets_an_error_frame_and_the_socket_
             assert json.loads(await ws.recv()) == {"type": "error", "code": "bad_request", "message": message}
         await ws.send(json.dumps({"type": "user", "id": 7, "content": "hi"}))
         assert json.loads(await ws.recv()) == {"type": "error", "code": "bad_request", "message": "id must be a string"}
+        for frame in ({"type": "ping", "at": 1}, {"type": "user", "id": "y", "content": "hi", "stream": True}):
+            await ws.send(json.dumps(frame))  # a field the frame does not define: refused, never ignored
+            answer = json.loads(await ws.recv())
+            assert answer["type"] == "error" and answer["code"] == "bad_request", answer
+            assert "unknown field" in answer["message"] and list(frame)[-1] in answer["message"], answer
         await ws.send(json.dumps({"type": "ping"}))
         assert json.loads(await ws.recv()) == {"type": "pong"}

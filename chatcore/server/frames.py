@@ -1,6 +1,6 @@
 """The WebSocket frames a client sends (docs/protocol.md), as a tagged union of `msgspec.Struct`s on
-`type`. A frame's fields are checked when it is decoded; fields a frame does not define are ignored,
-as they always were, but `params` refuses unknown ones."""
+`type`. A frame's fields are checked when it is decoded, and a field the frame does not define is
+refused (`bad_request` naming it): nothing a client sends is accepted and ignored."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class SessionParams(ChatSampling, kw_only=True):
     tool_choice: Any = msgspec.UNSET
 
 
-class Hello(msgspec.Struct, tag="hello", tag_field="type"):
+class Hello(msgspec.Struct, tag="hello", tag_field="type", forbid_unknown_fields=True):
     session_id: Annotated[str, Meta(max_length=MAX_ID_CHARS)] | None = None
     resume_token: Annotated[str, Meta(max_length=MAX_TOKEN_CHARS)] | None = None
     last_seq: Annotated[int, Meta(ge=0, le=MAX_SEQ)] | None = None
@@ -35,21 +35,21 @@ class Hello(msgspec.Struct, tag="hello", tag_field="type"):
     title: Title | None = None
 
 
-class User(msgspec.Struct, tag="user", tag_field="type"):
+class User(msgspec.Struct, tag="user", tag_field="type", forbid_unknown_fields=True):
     id: Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS, description="the idempotency key")]
     content: str
     params: SessionParams | None = None
 
 
-class Cancel(msgspec.Struct, tag="cancel", tag_field="type"):
+class Cancel(msgspec.Struct, tag="cancel", tag_field="type", forbid_unknown_fields=True):
     pass
 
 
-class Ping(msgspec.Struct, tag="ping", tag_field="type"):
+class Ping(msgspec.Struct, tag="ping", tag_field="type", forbid_unknown_fields=True):
     pass
 
 
-class Auth(msgspec.Struct, tag="auth", tag_field="type"):
+class Auth(msgspec.Struct, tag="auth", tag_field="type", forbid_unknown_fields=True):
     api_key: Annotated[str, Meta(max_length=MAX_KEY_CHARS)] | None = None
 
 
