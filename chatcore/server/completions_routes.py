@@ -14,6 +14,7 @@ from litestar import Request, Response, post
 from litestar.response import Stream
 
 from chatcore.engine.outputs import TokenLogprob
+from chatcore.outcomes import FinishReason
 from chatcore.server.errors import ApiError
 from chatcore.server.openai_routes import (
     SAMPLING_FIELDS,
@@ -101,13 +102,13 @@ class TextCompletion:
             payload["usage"] = usage
         return payload
 
-    def full(self, reasons: dict[int, str], usage: dict[str, Any]) -> dict[str, Any]:
+    def full(self, reasons: dict[int, FinishReason], usage: dict[str, Any]) -> dict[str, Any]:
         choices = []
         for i in sorted(set(self.text) | set(reasons)):
             logprobs = (legacy(self.texts, self.logprobs.get(i, []), self.offsets.get(i, []))
                         if self.texts is not None else None)
             choices.append({"index": i, "text": self.text.get(i, ""), "logprobs": logprobs,
-                            "finish_reason": finish_reason(reasons.get(i, "stop"))})
+                            "finish_reason": finish_reason(reasons.get(i, FinishReason.STOP))})
         return self.body(choices, usage)
 
 
@@ -123,7 +124,7 @@ async def completions(request: Request[Any, Any, Any], data: dict[str, Any]) -> 
     if unknown:
         raise ApiError("bad_request", f"unsupported fields: {', '.join(unknown)}")
     refuse_unimplemented(data, UNIMPLEMENTED)
-    vocab_size = services.engine.core.vocab_size
+    vocab_size = services.engine.vocab_size
     prompt = _prompt(data.get("prompt"), vocab_size)
     raw = {k: data[k] for k in (*SAMPLING_FIELDS, "max_tokens") if data.get(k) is not None}
     raw.update(_legacy_logprobs(data.get("logprobs")))
