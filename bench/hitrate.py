@@ -14,9 +14,10 @@ is replayed at fractions of it.
 Policies (each a pool class; only the choice of victim differs):
 * lru: `BlockPool(eviction="lru")` (LRU of cached-free blocks; deepest first among blocks a
   table releases together, so chains are trimmed from their tails).
-* pool_cost: `BlockPool(eviction="cost")`, the pool's own cost-aware policy and chatcore's
-  default: among the 16 least recently used cached-free blocks, a leaf (no cached child), then
-  the one fewest conversations branched from, then the least recent.
+* pool_cost: `BlockPool(eviction="cost")`, the pool's own cost-aware policy: among the 16 least
+  recently used cached-free blocks, a leaf (no cached child), then the one fewest conversations
+  branched from, then the least recent. (chatcore's default is `session`, which bench/replay.py
+  measures.)
 * cost_aware: `CostAwarePool` (bench's proposal), GreedyDual over leaf blocks with cost = recompute tokens x the
   number of distinct sessions that used the block. With equal costs it is LRU over leaves.
 * gd_flops: the same GreedyDual with cost = FLOPs to recompute the block at its depth. Shown

@@ -5,7 +5,7 @@ The same 16 chats as the throughput suite (a shared ~300-token system prompt, di
 * server: a real `chatcore serve` process (same model, dtype, block size, threads) and a real
   client (`websockets`) in this process: 16 sessions opened, then 16 user frames sent at once.
   Time from the first user frame to the last `done` frame.
-* engine: `AsyncEngine` in this process, 16 `generate` streams started at once, the prompts
+* engine: `InferenceEngine` in this process, 16 `generate` streams started at once, the prompts
   rendered by the same chat template.
 Each repeat uses a new system prompt, made warm on both sides by one untimed request, so all
 16 requests find it cached on both sides and the two measure the same work.
@@ -26,7 +26,7 @@ from bench import live
 from bench.common import Context, median, target
 from bench.engine_runs import chat_prompts
 from bench.workload import chat_workload
-from chatcore.engine.engine import AsyncEngine
+from chatcore.engine.engine import InferenceEngine
 from chatcore.engine.request import SamplingParams
 
 
@@ -58,7 +58,7 @@ async def _server_run(server: Any, system: str, users: list[str], new: int) -> d
             "cached_tokens": sum(r.usage["cached_tokens"] for r in results)}
 
 
-async def _engine_run(engine: AsyncEngine, prompts: list[list[int]], new: int) -> dict[str, Any]:
+async def _engine_run(engine: InferenceEngine, prompts: list[list[int]], new: int) -> dict[str, Any]:
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
 
     async def one(prompt: list[int]) -> Any:
@@ -99,7 +99,7 @@ def run(ctx: Context) -> dict[str, Any]:
 
     with ThreadPoolExecutor(1) as pool:  # the server loads its model while this process builds its engine
         starting = pool.submit(live.start, ctx, root, kv_disk_gb=0)
-        engine = AsyncEngine.from_settings(ctx.engine_settings(kv_cache_gb=1.0), ctx.loaded)
+        engine = InferenceEngine.from_settings(ctx.engine_settings(kv_cache_gb=1.0), ctx.loaded)
         try:
             server = starting.result()
         except Exception:
@@ -110,7 +110,7 @@ def run(ctx: Context) -> dict[str, Any]:
         for rep, (system, users) in enumerate(ctx.each_repeat(workloads)):
             count, tokens = (len(users), new) if rep else (2, 4)
             if rep:
-                ctx.log(f"  repeat {rep}/{reps}: in-process AsyncEngine, then the WebSocket server "
+                ctx.log(f"  repeat {rep}/{reps}: in-process InferenceEngine, then the WebSocket server "
                         f"({count} sessions x {tokens} tokens)")
             prompts = chat_prompts(ctx.tokenizer, system, users[:count])
             # The shared system prompt is made warm on both sides first (one untimed request with

@@ -23,6 +23,8 @@ from pydantic_settings import (
 )
 from pydantic_settings.exceptions import SettingsError
 
+from chatcore.cache import DEFAULT_EVICTION
+
 DEFAULT_MODEL = "default"
 CONFIG_ENV = "CHATCORE_CONFIG"
 CONFIG_FILE = "chatcore.toml"
@@ -64,7 +66,7 @@ class Settings(BaseSettings):
         "tenant", description="tenant: prefix blocks are shared within a tenant only; global: across tenants, "
         "which lets one tenant learn, from cached_tokens or timing, whether another's prompt starts with a guess")
     eviction_policy: Literal["lru", "cost", "session"] = Field(
-        "session", description="session: whole conversations, the one expected back last first")
+        DEFAULT_EVICTION, description="session: whole conversations, the one expected back last first")
     debug_audit: bool = Field(False, description="audit the cache after every engine step")
 
     # Scheduler.

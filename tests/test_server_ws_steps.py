@@ -69,7 +69,7 @@ async def test_a_client_that_never_reads_is_closed_before_its_frames_pile_up(tmp
         async with server.connect(sock=raw, max_queue=1, compression=None) as ws:  # deflate would shrink them
             await ws.send(resume)
             assert len(await ws.recv()) > 15_000
-            conn = server.services.extra["ws_attached"][session["session_id"]]
+            conn = server.services.ws_attached[session["session_id"]]
             closing, close = asyncio.Event(), conn.close
 
             def observed_close(code: int, reason: str = "") -> None:

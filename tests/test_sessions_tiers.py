@@ -158,7 +158,7 @@ async def test_prefetch_brings_a_cold_history_into_the_pool_before_its_turn(make
 def test_a_block_that_cannot_be_installed_leaves_nothing_referenced(make_core) -> None:
     import pytest
 
-    from chatcore.sessions.turns import install_blocks
+    from chatcore.engine.block_ops import BlockOps
 
     core = make_core()
     bs = core.pool.block_size
@@ -166,6 +166,6 @@ def test_a_block_that_cannot_be_installed_leaves_nothing_referenced(make_core) -
     salt = core.salt()
     wrong_shape = [torch.zeros(3, 3)] * 4  # a file of another model's shape, say
     with pytest.raises(RuntimeError):
-        install_blocks(core, tokens, salt, 4, 0, wrong_shape, "test")
+        BlockOps(core).install(tokens, salt, 4, 0, wrong_shape, "test")
     report = audit(core.pool)
     assert report.ok and report.used == 0 and not core.pool.tables, report.format()

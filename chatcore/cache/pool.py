@@ -32,18 +32,26 @@ import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from chatcore.cache.errors import CacheError, NoFreeBlocks
 from chatcore.cache.forecast import ReuseForecast
 from chatcore.cache.prefix import PrefixIndex
 
-if TYPE_CHECKING:
-    from chatcore.cache.table import BlockTable
-
 EvictHook = Callable[[int, bytes, tuple[int, ...]], None]
 COST_WINDOW = 16
 POLICIES = ("lru", "cost", "session")
+# The one default: a pool's, and the server's (`Settings.eviction_policy`, CHATCORE_EVICTION_POLICY).
+DEFAULT_EVICTION = "session"
+
+
+class AttachedTable(Protocol):
+    """What the pool knows of a table mapping its blocks (a `BlockTable`, whose module imports
+    this one and not the reverse): for the audit and the block map."""
+
+    owner: str
+    block_ids: list[int]
+    num_tokens: int
 
 
 @dataclass(slots=True)
@@ -78,7 +86,7 @@ class BlockPool:
         high_watermark: float = 0.30,
         debug: bool = False,
         on_evict: EvictHook | None = None,
-        eviction: str = "lru",
+        eviction: str = DEFAULT_EVICTION,
         clock: Callable[[], float] = time.monotonic,
         depth_cost: float = 0.0,
     ) -> None:
@@ -102,7 +110,7 @@ class BlockPool:
         self.index = PrefixIndex()
         # hash -> how many hashed blocks continue it: the cached chains that die with it.
         self._children: dict[bytes, int] = {}
-        self._tables: dict[int, BlockTable] = {}
+        self._tables: dict[AttachedTable, None] = {}  # an ordered set
         self.evictions = 0
         self.grow(num_blocks)
 
@@ -131,10 +139,6 @@ class BlockPool:
     @property
     def low_watermark_blocks(self) -> int:
         return int(self.low_watermark * len(self.blocks))
-
-    @property
-    def high_watermark_blocks(self) -> int:
-        return int(self.high_watermark * len(self.blocks))
 
     def can_admit(self, num_new_blocks: int) -> bool:
         """Admission keeps at least the low watermark of blocks available after allocating."""
@@ -332,15 +336,15 @@ class BlockPool:
         return removed
 
     # ----- tables --------------------------------------------------------------------------
-    def attach(self, table: BlockTable) -> None:
-        self._tables[id(table)] = table
+    def attach(self, table: AttachedTable) -> None:
+        self._tables[table] = None
 
-    def detach(self, table: BlockTable) -> None:
-        self._tables.pop(id(table), None)
+    def detach(self, table: AttachedTable) -> None:
+        self._tables.pop(table, None)
 
     @property
-    def tables(self) -> list[BlockTable]:
-        return list(self._tables.values())
+    def tables(self) -> list[AttachedTable]:
+        return list(self._tables)
 
     # ----- inspection ----------------------------------------------------------------------
     def children_counts(self) -> dict[bytes, int]:

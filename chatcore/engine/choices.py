@@ -17,17 +17,17 @@ import torch
 
 from chatcore.engine.outputs import TokenLogprob
 from chatcore.engine.penalties import Penalties
-from chatcore.engine.request import Request, SamplingParams, Sequence
+from chatcore.engine.request import Request, SamplingParams, TokenSequence
 from chatcore.engine.transfers import DownloadPack
 
-Item = tuple[Request, Sequence, int]  # a sample: its request, its sequence, its row of logits
+Item = tuple[Request, TokenSequence, int]  # a sample: its request, its sequence, its row of logits
 Draw = Callable[[torch.Tensor, SamplingParams, torch.Generator | None], torch.Tensor]
 
 
 class StepChoices:
     def __init__(self, items: list[Item], logits: torch.Tensor, argmax: torch.Tensor, pack: DownloadPack,
                  penalties: Penalties, draw: Draw,
-                 generator: Callable[[Request, Sequence], torch.Generator | None]) -> None:
+                 generator: Callable[[Request, TokenSequence], torch.Generator | None]) -> None:
         """Queue the device work and add its results to `pack` (nothing is read back here)."""
         self.items = items
         self.pack = pack

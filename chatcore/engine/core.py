@@ -30,15 +30,15 @@ from chatcore.engine.outputs import (
     Usage,
 )
 from chatcore.engine.penalties import Penalties
-from chatcore.engine.request import FinishReason, Request, SamplingParams, Sequence
+from chatcore.engine.request import Request, SamplingParams, TokenSequence
 from chatcore.engine.runner import ModelRunner
 from chatcore.engine.sampler import beam_candidates, make_generator, sample
 from chatcore.engine.scheduler import ScheduledSeq, Scheduler, StepPlan
 from chatcore.engine.transfers import DownloadPack
 from chatcore.kv.sizing import device_pool_bytes
-from chatcore.kv.tensors import KVTensors
-from chatcore.models.device import DTYPES
+from chatcore.kv.tensors import DTYPES, KVTensors
 from chatcore.models.loader import LoadedModel
+from chatcore.outcomes import ErrorCode, FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +82,8 @@ class EngineCore:
                                    max_waiting=settings.max_waiting_requests)
         self.runner = ModelRunner(loaded, self.kv)
         self.requests: dict[str, Request] = {}
-        self._detok: dict[int, IncrementalDetokenizer] = {}
-        self._generators: dict[int, torch.Generator] = {}
+        self._detok: dict[TokenSequence, IncrementalDetokenizer] = {}
+        self._generators: dict[TokenSequence, torch.Generator] = {}
         self._beams: dict[str, BeamSearch] = {}
         self._penalties = Penalties(self.vocab_size, loaded.device)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, loaded.stop_token_ids)
@@ -128,7 +128,7 @@ class EngineCore:
             raise
         self.requests[req.request_id] = req
 
-    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestOutput | None:
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> RequestOutput | None:
         """End a request in any state (waiting, prefilling, decoding, preempted)."""
         req = self.requests.get(request_id)
         if req is None:
@@ -180,10 +180,8 @@ class EngineCore:
             logits = self.runner.execute(plan)
         except Exception as exc:  # a failed step fails its requests, never the engine
             log.exception("engine step failed")
-            for req in {id(e.req): e.req for e in entries}.values():
-                req.error = f"{type(exc).__name__}: {exc}"
-                for seq in req.live_seqs:
-                    seq.finish_reason = FinishReason.ERROR
+            for req in dict.fromkeys(e.req for e in entries):
+                req.fail(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", FinishReason.ERROR)
                 outputs[req.request_id] = self._finish(req)
             return list(outputs.values())
         self.steps += 1
@@ -203,30 +201,27 @@ class EngineCore:
                 outputs: dict[str, RequestOutput]) -> None:
         """Choose every sampling row's token on the device (`StepChoices`), then bring all choices,
         their log-probs and beam search's candidates to the host in the step's one download."""
-        rows: dict[int, int] = {}
+        rows: dict[TokenSequence, int] = {}
         for entry in entries:
             if entry.samples:
-                rows[id(entry.seq)] = len(rows)
+                rows[entry.seq] = len(rows)
         by_request: dict[str, list[ScheduledSeq]] = {}
         for entry in entries:
             if entry.samples:
                 by_request.setdefault(entry.req.request_id, []).append(entry)
         now = time.monotonic()
-        plain: list[tuple[Request, Sequence, int]] = []
+        plain: list[tuple[Request, TokenSequence, int]] = []
         beams: list[tuple[Request, list[int]]] = []
         for group in by_request.values():
             req = group[0].req
             if req.params.beam_width > 1:
-                beams.append((req, [rows[id(e.seq)] for e in group]))
+                beams.append((req, [rows[e.seq] for e in group]))
                 continue
             if not req.forked:
                 forks = self._fork(req)
-                for fork in forks:
-                    self._penalties.fork(req.seqs[0], fork.seq)
-                    self.grammars.fork(req.seqs[0], fork.seq)
-                rows.update({id(f.seq): rows[id(req.seqs[0])] for f in forks})
+                rows.update({f.seq: rows[req.seqs[0]] for f in forks})
                 group += forks
-            plain.extend((req, entry.seq, rows[id(entry.seq)]) for entry in group)
+            plain.extend((req, entry.seq, rows[entry.seq]) for entry in group)
         constrained = [(seq, row) for _, seq, row in plain if self.grammars.constrained(seq)]
         if constrained:  # before anything reads the logits: the grammar's -inf rule them all
             bitmask = self.runner.transfers.upload_bitmask(self.grammars.masks(constrained, logits.shape[0]))
@@ -250,30 +245,32 @@ class EngineCore:
         for (req, seq, _), (token, logprob) in zip(plain, choices.read(host), strict=True):
             complete = self.grammars.constrained(seq) and self.grammars.accept(seq, token)
             self._append_token(req, seq, token, now, outputs, logprob, complete)
-        for req in {id(e.req): e.req for e in entries}.values():
+        for req in dict.fromkeys(e.req for e in entries):
             if not req.finished and not req.live_seqs:
                 outputs[req.request_id] = self._merge(outputs.get(req.request_id), self._finish(req))
 
-    @staticmethod
-    def _fork(req: Request) -> list[ScheduledSeq]:
+    def _fork(self, req: Request) -> list[ScheduledSeq]:
         """n > 1: after the prompt's first token is due, the other samples fork its table (the
-        prompt's blocks are shared, the last partial one is copied on write). They sample from
-        the first sample's row of logits, each with its own generator."""
+        prompt's blocks are shared, the last partial one is copied on write), its penalty counts
+        and its grammar state. They sample from the first sample's row of logits, each with its
+        own generator."""
         req.forked = True
         seq0 = req.seqs[0]
         assert seq0.table is not None
         forks = []
         for child in range(1, req.params.n):
-            fork = Sequence(child, list(seq0.tokens), seq0.prompt_len,
+            fork = TokenSequence(child, list(seq0.tokens), seq0.prompt_len,
                             table=seq0.table.fork(owner=f"{req.request_id}/{child}"), num_computed=seq0.num_computed)
             req.seqs.append(fork)
+            self._penalties.fork(seq0, fork)
+            self.grammars.fork(seq0, fork)
             forks.append(ScheduledSeq(req, fork, 0, 0, [], []))
         return forks
 
-    def _generator(self, req: Request, seq: Sequence) -> torch.Generator | None:
+    def _generator(self, req: Request, seq: TokenSequence) -> torch.Generator | None:
         if req.params.greedy:
             return None
-        key = id(seq)
+        key = seq
         if key not in self._generators:
             self._generators[key] = make_generator(req.params.seed, seq.index, self.loaded.device)
         return self._generators[key]
@@ -283,7 +280,7 @@ class EngineCore:
             return frozenset(params.stop_token_ids)
         return self.loaded.stop_token_ids | frozenset(params.stop_token_ids)
 
-    def _append_token(self, req: Request, seq: Sequence, token: int, now: float,
+    def _append_token(self, req: Request, seq: TokenSequence, token: int, now: float,
                       outputs: dict[str, RequestOutput], logprob: TokenLogprob | None = None,
                       complete: bool = False) -> None:
         """`complete`: the sequence's grammar has accepted its whole output (it stops, EOS ignored or not)."""
@@ -294,9 +291,9 @@ class EngineCore:
             req.first_token = now
         if seq.index == 0:
             req.token_times.append(now)
-        detok = self._detok.get(id(seq))
+        detok = self._detok.get(seq)
         if detok is None:
-            detok = self._detok[id(seq)] = IncrementalDetokenizer(self.tokenizer, req.params.stop)
+            detok = self._detok[seq] = IncrementalDetokenizer(self.tokenizer, req.params.stop)
         text = detok.push(token)
         if token in self._stop_ids(req.params) or detok.stopped or complete:
             seq.finish_reason = FinishReason.STOP
@@ -327,7 +324,7 @@ class EngineCore:
             req.first_token = time.monotonic()
         snapshots = [list(s.tokens) for s in beams]
         reused: set[int] = set()
-        next_beams: list[Sequence] = []
+        next_beams: list[TokenSequence] = []
         for i, choice in enumerate(choices):
             parent = beams[choice.parent]
             if choice.parent not in reused:
@@ -336,7 +333,7 @@ class EngineCore:
                 child = parent
             else:
                 assert parent.table is not None
-                child = Sequence(i, snapshots[choice.parent] + [choice.token], parent.prompt_len,
+                child = TokenSequence(i, snapshots[choice.parent] + [choice.token], parent.prompt_len,
                                  table=parent.table.fork(owner=f"{req.request_id}/b"),
                                  num_computed=parent.num_computed)
             child.cum_logprob = choice.score
@@ -359,31 +356,34 @@ class EngineCore:
 
     # ----- finishing ---------------------------------------------------------------------------
     def _finish(self, req: Request) -> RequestOutput:
-        """The one exit path: release through the scheduler, then report."""
+        """The one exit path: hand a session its table, release the rest through the scheduler,
+        then report."""
+        self._hand_back_table(req)
         self.scheduler.remove(req)
         self._penalties.release(req)
         for seq in req.seqs:
             self.grammars.release(seq)
         self.requests.pop(req.request_id, None)
         req.finished_at = time.monotonic()
-        out = RequestOutput(req.request_id, finished=True, error=req.error)
+        out = RequestOutput(req.request_id, finished=True, error=req.error, error_code=req.error_code)
         search = self._beams.pop(req.request_id, None)
         if search is not None and search.results():
             for i, hyp in enumerate(search.results()):
                 text = self.tokenizer.decode(hyp.token_ids, skip_special_tokens=True)
-                reason = "stop" if hyp.token_ids and hyp.token_ids[-1] in search.stop_ids else "length"
+                reason = FinishReason.STOP if hyp.token_ids and hyp.token_ids[-1] in search.stop_ids \
+                    else FinishReason.LENGTH
                 out.outputs.append(CompletedSeq(i, text, hyp.token_ids, reason))
         else:
             for seq in req.seqs:
-                detok = self._detok.pop(id(seq), None)
-                self._generators.pop(id(seq), None)
+                detok = self._detok.pop(seq, None)
+                self._generators.pop(seq, None)
                 text = detok.text if detok is not None else ""
-                reason = (seq.finish_reason or FinishReason.ABORT).value
+                reason = seq.finish_reason or FinishReason.CANCELLED
                 out.outputs.append(CompletedSeq(seq.index, text, seq.output_ids, reason,
                                                 list(seq.logprobs) if req.params.logprobs else None))
         for seq in req.seqs:
-            self._detok.pop(id(seq), None)
-            self._generators.pop(id(seq), None)
+            self._detok.pop(seq, None)
+            self._generators.pop(seq, None)
         completion = sum(len(o.token_ids) for o in out.outputs)
         out.usage = Usage(len(req.prompt), req.cached_tokens, completion, req.cached_disk_tokens)
         start = req.arrival
@@ -395,6 +395,17 @@ class EngineCore:
             inter_token_ms=gaps,
         )
         return out
+
+    @staticmethod
+    def _hand_back_table(req: Request) -> None:
+        """A session's request (`keep_table`) keeps its first sample's table, the turn's whole KV,
+        for the session to pin; not when it failed (an error), nor when it never ran."""
+        if not req.keep_table or req.kept_table is not None:
+            return
+        for seq in req.seqs:
+            if seq.index == 0 and seq.table is not None and seq.finish_reason not in (None, FinishReason.ERROR):
+                req.kept_table, seq.table = seq.table, None
+                return
 
     @staticmethod
     def _merge(first: RequestOutput | None, final: RequestOutput) -> RequestOutput:

@@ -1,9 +1,13 @@
-"""The async front of the engine: add a request, stream its outputs, abort it.
+"""The engine's one door: add a request, stream its outputs, abort it, and what else callers need.
 
 `EngineCore` runs on one dedicated thread, which alone touches the block pool, the tables
-and the KV tensors. Everything else reaches it through `call()` (a function run between two
-steps) and gets results back on its own event loop. Leaving a stream early (the consumer is
-cancelled or stops iterating) aborts the request, so its blocks are always released.
+and the KV tensors. Code outside `chatcore.engine` holds an `InferenceEngine` and nothing of the
+core (tests/test_import_graph.py checks): the model's constants (`block_size`, `max_context`,
+`salt`, ...) are read from here; everything that reads or changes the pool runs on the engine
+thread, between two steps, through `on_thread` (with `blocks`, the engine-thread operations on
+the pool's blocks), `check_fits` or `stats`, and its result comes back on the caller's event
+loop. Leaving a stream early (the consumer is cancelled or stops iterating) aborts the
+request, so its blocks are always released.
 """
 
 from __future__ import annotations
@@ -17,15 +21,23 @@ from typing import Any, TypeVar
 
 import torch
 
+from chatcore.cache.pool import PoolStats
 from chatcore.config import Settings
+from chatcore.engine.block_ops import BlockOps
 from chatcore.engine.core import EngineCore
+from chatcore.engine.grammar import Grammars
 from chatcore.engine.outputs import RequestOutput
-from chatcore.engine.request import FinishReason, Request, SamplingParams
+from chatcore.engine.request import Request, SamplingParams
 from chatcore.models.loader import LoadedModel, load_model
+from chatcore.outcomes import ErrorCode, FinishReason
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_WAIT_S = 0.05
+# Called on the engine thread with a number of blocks wanted available, before admission gives up
+# or a running request is preempted, and a function that counts the blocks available now: the
+# sessions layer releases idle pins until that count reaches the number (`PinRegistry.reclaim`).
+Reclaim = Callable[[int, Callable[[], int]], object]
 
 
 class EngineStopped(RuntimeError):
@@ -41,9 +53,25 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-class AsyncEngine:
-    def __init__(self, core: EngineCore) -> None:
+class InferenceEngine:
+    def __init__(self, core: EngineCore, reclaim: Reclaim | None = None) -> None:
         self.core = core
+        # Constants, read before the engine thread starts, so that any thread may use them.
+        self.loaded: LoadedModel = core.loaded
+        self.tokenizer: Any = core.tokenizer
+        self.block_size: int = core.pool.block_size
+        self.max_context: int = core.scheduler.max_context  # the longest prompt + max_tokens, in tokens
+        self.vocab_size: int = core.vocab_size
+        self.kv_dtype: torch.dtype = core.kv.dtype
+        # Compiles `response_format`s: thread-safe, and slow (compile off the event loop).
+        self.grammars: Grammars = core.grammars
+        # Engine-thread operations on the pool's blocks, for functions run by `on_thread`.
+        self.blocks = BlockOps(core)
+        if reclaim is not None:
+            pool = core.pool
+            core.scheduler.reclaim = lambda wanted: reclaim(wanted, lambda: pool.num_available)
+        # The scheduler's count, published by the engine thread after each step: read on the event loop.
+        self.preemptions = 0
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -52,16 +80,17 @@ class AsyncEngine:
         self.housekeeping: list[Callable[[], None]] = []
 
     @classmethod
-    def from_settings(cls, settings: Settings, loaded: LoadedModel | None = None) -> AsyncEngine:
+    def from_settings(cls, settings: Settings, loaded: LoadedModel | None = None,
+                      reclaim: Reclaim | None = None) -> InferenceEngine:
         if settings.threads:
             torch.set_num_threads(settings.threads)
-        engine = cls(EngineCore(loaded or load_model(settings), settings))
+        engine = cls(EngineCore(loaded or load_model(settings), settings), reclaim)
         engine.start()
         return engine
 
-    @property
-    def tokenizer(self) -> Any:
-        return self.core.tokenizer
+    def salt(self, scope_key: str = "global") -> bytes:
+        """The cache salt of a scope: the block hashes of its requests and of its sessions' chains."""
+        return self.core.salt(scope_key)
 
     # ----- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -85,6 +114,7 @@ class AsyncEngine:
                     before = self.core.steps
                     outputs = self.core.step()
                     computed = self.core.steps != before
+                    self.preemptions = self.core.scheduler.preemptions
                     for out in outputs:
                         self._dispatch(out)
                 if not computed:
@@ -112,7 +142,7 @@ class AsyncEngine:
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id in list(self.core.requests):
-            self.core.requests[request_id].error = str(exc)
+            self.core.requests[request_id].fail(ErrorCode.INTERNAL, str(exc), FinishReason.ERROR)
             try:
                 out = self.core.abort(request_id, FinishReason.ERROR)
                 if out is not None:
@@ -131,7 +161,8 @@ class AsyncEngine:
 
     # ----- the async API ---------------------------------------------------------------------
     async def call(self, fn: Callable[[EngineCore], T]) -> T:
-        """Run `fn(core)` on the engine thread between two steps, and return its result."""
+        """Run `fn(core)` on the engine thread between two steps, and return its result. For the
+        engine's own modules and tests; code outside `chatcore.engine` uses `on_thread`."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
 
@@ -145,6 +176,19 @@ class AsyncEngine:
 
         self._submit(command)
         return await future
+
+    async def on_thread(self, fn: Callable[[], T]) -> T:
+        """Run `fn()` on the engine thread between two steps, and return its result: where the
+        sessions' pins and `blocks` may be used."""
+        return await self.call(lambda core: fn())
+
+    async def check_fits(self, request: Request) -> None:
+        """`RequestRejected` for a request that can never fit the context or the pool."""
+        await self.call(lambda core: core.scheduler.check_fits(request))
+
+    async def stats(self) -> PoolStats:
+        """The pool's blocks by state, counted on the engine thread."""
+        return await self.call(lambda core: core.pool.stats())
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last one has `finished` set.

@@ -10,9 +10,9 @@ import torch
 
 from chatcore.config import Settings
 from chatcore.engine.core import EngineCore
+from chatcore.engine.errors import RequestRejected
 from chatcore.engine.outputs import RequestOutput
 from chatcore.engine.request import SamplingParams
-from chatcore.engine.scheduler import RequestRejected
 from chatcore.models.loader import load_model
 
 

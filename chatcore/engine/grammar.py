@@ -54,7 +54,7 @@ class Grammars:
         self._lock = threading.Lock()
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._compiled: OrderedDict[ResponseFormat, xgrammar.CompiledGrammar] = OrderedDict()
-        self._matchers: dict[int, xgrammar.GrammarMatcher] = {}  # id(seq) -> its matcher
+        self._matchers: dict[object, xgrammar.GrammarMatcher] = {}  # by sequence
 
     def _get_compiler(self) -> xgrammar.GrammarCompiler:
         with self._lock:
@@ -95,25 +95,25 @@ class Grammars:
 
     # ----- sequences (engine thread) ------------------------------------------------------
     def admit(self, seq: object, fmt: ResponseFormat) -> None:
-        self._matchers[id(seq)] = xgrammar.GrammarMatcher(self.compile(fmt))
+        self._matchers[seq] = xgrammar.GrammarMatcher(self.compile(fmt))
 
     def fork(self, parent: object, child: object) -> None:
-        matcher = self._matchers.get(id(parent))
+        matcher = self._matchers.get(parent)
         if matcher is not None:
-            self._matchers[id(child)] = matcher.fork()
+            self._matchers[child] = matcher.fork()
 
     def release(self, seq: object) -> None:
-        self._matchers.pop(id(seq), None)
+        self._matchers.pop(seq, None)
 
     def constrained(self, seq: object) -> bool:
-        return id(seq) in self._matchers
+        return seq in self._matchers
 
     def masks(self, rows: list[tuple[object, int]], num_rows: int) -> torch.Tensor:
         """The host bitmask [num_rows, vocab / 32] (int32) for the given (sequence, row) pairs;
         other rows allow every token."""
         bitmask = xgrammar.allocate_token_bitmask(num_rows, self._vocab_size)
         for seq, row in rows:
-            self._matchers[id(seq)].fill_next_token_bitmask(bitmask, row)
+            self._matchers[seq].fill_next_token_bitmask(bitmask, row)
         return bitmask
 
     @staticmethod
@@ -123,7 +123,7 @@ class Grammars:
 
     def accept(self, seq: object, token: int) -> bool:
         """Advance the sequence's matcher; True once its output is complete (a stop token accepted)."""
-        matcher = self._matchers[id(seq)]
+        matcher = self._matchers[seq]
         if not matcher.accept_token(token):
             raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed")
         return matcher.is_terminated()

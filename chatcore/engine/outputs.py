@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from chatcore.outcomes import ErrorCode, FinishReason
+
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
@@ -29,7 +31,7 @@ class CompletedSeq:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: FinishReason
     logprobs: list[TokenLogprob] | None = None  # aligned with token_ids, when the request asks
 
 
@@ -61,5 +63,6 @@ class RequestOutput:
     outputs: list[CompletedSeq] = field(default_factory=list)
     usage: Usage | None = None
     timings: Timings | None = None
-    error: str | None = None
+    error: str | None = None  # for people; `error_code` is what callers act on
+    error_code: ErrorCode | None = None
     preempted: bool = False

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chatcore.engine.request import Request, Sequence
+from chatcore.engine.request import Request, TokenSequence
 
 
 @dataclass(slots=True)
@@ -36,7 +36,7 @@ class Penalties:
         self.vocab_size = vocab_size
         self.device = device
         self._requests: dict[str, _Shaping] = {}
-        self._counts: dict[int, torch.Tensor] = {}  # id(seq) -> float32 [vocab] counts of generated tokens
+        self._counts: dict[TokenSequence, torch.Tensor] = {}  # float32 [vocab] counts of generated tokens
         self._zeros = torch.zeros(vocab_size, device=device)
         self._unseen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         self._one = torch.ones(1, device=device)
@@ -63,21 +63,21 @@ class Penalties:
             prompt_seen = self._unseen.index_put((ids,), torch.ones_like(ids, dtype=torch.bool))
         self._requests[req.request_id] = _Shaping(coefficients, bias, prompt_seen)
         for seq in req.seqs:
-            self._counts[id(seq)] = torch.zeros(self.vocab_size, device=self.device)
+            self._counts[seq] = torch.zeros(self.vocab_size, device=self.device)
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: TokenSequence, child: TokenSequence) -> None:
         """A forked sample starts from its parent's counts (a device copy)."""
-        counts = self._counts.get(id(parent))
+        counts = self._counts.get(parent)
         if counts is not None:
-            self._counts[id(child)] = counts.clone()
+            self._counts[child] = counts.clone()
 
-    def apply(self, logits: torch.Tensor, items: list[tuple[Request, Sequence, int]]) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, items: list[tuple[Request, TokenSequence, int]]) -> torch.Tensor:
         """The shaped rows, [len(items), vocab], for (request, sequence, row of `logits`) items that shape."""
         rows = torch.stack([logits[row] for _, _, row in items])
         shaping = [self._requests[req.request_id] for req, _, _ in items]
         coefficients = torch.stack([s.coefficients for s in shaping])
         presence, frequency, repetition = (coefficients[:, i: i + 1] for i in range(3))
-        counts = torch.stack([self._counts[id(seq)] for _, seq, _ in items])
+        counts = torch.stack([self._counts[seq] for _, seq, _ in items])
         generated = counts > 0
         if any(req.params.repetition_penalty != 1 for req, _, _ in items):
             seen = generated | torch.stack([s.prompt_seen for s in shaping])
@@ -85,13 +85,13 @@ class Penalties:
         rows = rows - frequency * counts - presence * generated
         return rows + torch.stack([s.bias for s in shaping])
 
-    def record(self, seq: Sequence, token: torch.Tensor) -> None:
+    def record(self, seq: TokenSequence, token: torch.Tensor) -> None:
         """Count a chosen token (a 0-d device tensor) for a sequence that shapes; a device op."""
-        counts = self._counts.get(id(seq))
+        counts = self._counts.get(seq)
         if counts is not None:
             counts.index_add_(0, token.view(1), self._one)
 
     def release(self, req: Request) -> None:
         self._requests.pop(req.request_id, None)
         for seq in req.seqs:
-            self._counts.pop(id(seq), None)
+            self._counts.pop(seq, None)

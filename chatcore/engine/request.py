@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from chatcore.cache import BlockTable, chain_hashes
 from chatcore.engine.grammar import ResponseFormat
 from chatcore.engine.outputs import TokenLogprob
+from chatcore.outcomes import ErrorCode, FinishReason
 
 MAX_TOP_LOGPROBS = 20
 
@@ -29,15 +30,6 @@ class RequestState(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "cancelled"
-    ERROR = "error"
-    BUSY = "busy"
-    TOO_LARGE = "too_large"
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +101,7 @@ class SamplingParams:
 
 
 @dataclass(eq=False)
-class Sequence:
+class TokenSequence:
     """One output stream. `tokens` = prompt + generated; KV covers tokens[:num_computed]."""
 
     index: int
@@ -147,7 +139,7 @@ class Request:
     params: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
     state: RequestState = RequestState.WAITING
-    seqs: list[Sequence] = field(default_factory=list)
+    seqs: list[TokenSequence] = field(default_factory=list)
     # The cache salt (model, block size, dtype, scope): set by the engine, per tenant if scoped.
     salt: bytes = b""
     # Prompt tokens served from the cache at first admission (device), and from the disk tier.
@@ -166,11 +158,12 @@ class Request:
     finished_at: float | None = None
     token_times: list[float] = field(default_factory=list)
     error: str | None = None
+    error_code: ErrorCode | None = None  # set with `error`, when the request failed
     _prompt_hashes: list[bytes] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.seqs:
-            self.seqs = [Sequence(0, list(self.prompt), len(self.prompt))]
+            self.seqs = [TokenSequence(0, list(self.prompt), len(self.prompt))]
 
     def prompt_hashes(self, block_size: int) -> list[bytes]:
         """The prefix-cache keys of the prompt's full blocks (set `salt` first); computed once."""
@@ -178,8 +171,15 @@ class Request:
             self._prompt_hashes = chain_hashes(self.prompt, block_size, self.salt)
         return self._prompt_hashes
 
+    def fail(self, code: ErrorCode, message: str, reason: FinishReason) -> None:
+        """Mark the request failed: `code` for the caller to act on, `message` for people, and
+        `reason` on every sequence still live."""
+        self.error, self.error_code = message, code
+        for seq in self.live_seqs:
+            seq.finish_reason = reason
+
     @property
-    def live_seqs(self) -> list[Sequence]:
+    def live_seqs(self) -> list[TokenSequence]:
         return [s for s in self.seqs if not s.finished]
 
     @property

@@ -24,21 +24,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from chatcore.cache import BlockPool, BlockTable, longest_prefix
-from chatcore.engine.request import FinishReason, Request, RequestState, Sequence
-
-
-class RequestRejected(ValueError):
-    """A request that can never be served: too long for the context or the pool."""
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at its bound: try again later (a `busy`, not a request error)."""
+from chatcore.engine.errors import QueueFull, RequestRejected
+from chatcore.engine.request import Request, RequestState, TokenSequence
+from chatcore.outcomes import ErrorCode, FinishReason
 
 
 @dataclass(slots=True)
 class ScheduledSeq:
     req: Request
-    seq: Sequence
+    seq: TokenSequence
     start: int
     num_tokens: int
     slots: list[int]
@@ -134,7 +128,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ----- releasing ---------------------------------------------------------------------------
-    def release_seq(self, seq: Sequence) -> None:
+    def release_seq(self, seq: TokenSequence) -> None:
         if seq.table is not None:
             seq.table.release()
             seq.table = None
@@ -150,9 +144,6 @@ class Scheduler:
             req.prefix_table.release()
         req.prefix_table = None
         for seq in req.seqs:
-            if req.keep_table and seq.table is not None and req.kept_table is None and seq.index == 0 \
-                    and seq.finish_reason not in (None, FinishReason.ERROR):
-                req.kept_table, seq.table = seq.table, None
             self.release_seq(seq)
         req.state = RequestState.FINISHED
 
@@ -161,7 +152,7 @@ class Scheduler:
         self.running.remove(req)
         if req.params.beam_width > 1:
             # Beams stream nothing until the end: restart the search from the prompt.
-            req.seqs = [Sequence(0, list(req.prompt), len(req.prompt))]
+            req.seqs = [TokenSequence(0, list(req.prompt), len(req.prompt))]
             req.forked = False
         for seq in req.seqs:
             self.release_seq(seq)
@@ -176,9 +167,8 @@ class Scheduler:
         plan = StepPlan()
         now = time.monotonic()
         for req in [r for r in self.waiting if now - r.waiting_since > self.max_queue_wait_s]:
-            req.error = f"no capacity within max_queue_wait_s={self.max_queue_wait_s:g}s"
-            for seq in req.live_seqs:
-                seq.finish_reason = FinishReason.BUSY
+            req.fail(ErrorCode.BUSY, f"no capacity within max_queue_wait_s={self.max_queue_wait_s:g}s",
+                     FinishReason.BUSY)
             self.remove(req)
             plan.failed.append(req)
 
@@ -224,7 +214,7 @@ class Scheduler:
                 return False
         return True
 
-    def _reserve(self, req: Request, seq: Sequence, count: int) -> ScheduledSeq:
+    def _reserve(self, req: Request, seq: TokenSequence, count: int) -> ScheduledSeq:
         assert seq.table is not None
         start = seq.num_computed
         slots, copies = seq.table.append_slots(count)
@@ -299,7 +289,7 @@ class Scheduler:
         reusable = min(len(hashes), (len(req.prompt) - 1) // self.block_size)  # as in `_prefix_tables`
         return len(table) < reusable and hashes[len(table)] in inflight
 
-    def _prefix_tables(self, req: Request, seqs: list[Sequence]) -> list[BlockTable]:
+    def _prefix_tables(self, req: Request, seqs: list[TokenSequence]) -> list[BlockTable]:
         """Each sequence's starting table: the handed-over session chain, or a prefix-cache hit.
 
         At least one token is always left to compute, since its logits start the answer.

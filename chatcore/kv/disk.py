@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from chatcore.models.device import DTYPES
+from chatcore.kv.tensors import DTYPES
 
 log = logging.getLogger(__name__)
 MAGIC = b"CCKV\x01\n"

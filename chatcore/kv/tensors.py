@@ -13,6 +13,9 @@ import torch
 
 import kernels
 
+# The dtypes a model or its KV may have, by the name settings and block files give them.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 class KVTensors:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,

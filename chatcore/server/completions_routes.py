@@ -15,6 +15,7 @@ from litestar.response import Stream
 
 from chatcore.engine.outputs import TokenLogprob
 from chatcore.engine.token_logprobs import TokenTexts, legacy
+from chatcore.outcomes import FinishReason
 from chatcore.server.auth import Principal
 from chatcore.server.bodies import CompletionRequest
 from chatcore.server.errors import ApiError
@@ -89,13 +90,13 @@ class TextCompletion:
             payload["usage"] = usage
         return payload
 
-    def full(self, reasons: dict[int, str], usage: dict[str, Any]) -> dict[str, Any]:
+    def full(self, reasons: dict[int, FinishReason], usage: dict[str, Any]) -> dict[str, Any]:
         choices = []
         for i in sorted(set(self.text) | set(reasons)):
             logprobs = (legacy(self.texts, self.logprobs.get(i, []), self.offsets.get(i, []))
                         if self.texts is not None else None)
             choices.append({"index": i, "text": self.text.get(i, ""), "logprobs": logprobs,
-                            "finish_reason": finish_reason(reasons.get(i, "stop"))})
+                            "finish_reason": finish_reason(reasons.get(i, FinishReason.STOP))})
         return self.body(choices, usage)
 
 
@@ -106,7 +107,7 @@ def _sse(data: dict[str, Any]) -> str:
 @post("/v1/completions", status_code=200)
 async def completions(data: CompletionRequest, services: Services, principal: Principal) -> Response[Any]:
     refuse_unimplemented(data, UNIMPLEMENTED)
-    vocab_size = services.engine.core.vocab_size
+    vocab_size = services.engine.vocab_size
     prompt = _prompt(data.prompt, vocab_size)
     # `logprobs: k`: each token's log-prob and its k best alternatives.
     params = sampling_params(data, services.settings, vocab_size=vocab_size, max_tokens=data.max_tokens,

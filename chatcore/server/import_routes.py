@@ -14,7 +14,7 @@ from typing import Any
 
 from litestar import post
 
-from chatcore.cache import chain_hashes
+from chatcore.outcomes import FinishReason
 from chatcore.server.auth import Principal
 from chatcore.server.bodies import ImportedMessage, ImportSession
 from chatcore.server.errors import ApiError
@@ -64,15 +64,12 @@ async def _fill(services: Services, state: SessionState, messages: list[dict[str
     async with state.lock:
         history = [*state.messages, *messages]
         tokens = await manager.tokenize(lambda: manager.template.render(history, generation_prompt=False))
-        core = services.engine.core
-        block_size = core.pool.block_size
-        hashes = chain_hashes(tokens, block_size, core.salt(state.scope_key))
         async with services.sessionmaker() as db, db.begin():
             repos = Repos(db)
             for m in messages:
                 await repos.turns.add_turn(state.id, m["role"], m["content"], [],
-                                           finish_reason="stop" if m["role"] == "assistant" else None)
-            await repos.chains.save_chain(state.id, tokens, hashes, block_size, 0)
+                                           finish_reason=FinishReason.STOP if m["role"] == "assistant" else None)
+            await manager.save_chain(repos, state, tokens, num_computed=0)
         state.messages = history
         state.tokens = list(tokens)
         state.turn_count = len(messages)

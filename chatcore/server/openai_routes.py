@@ -19,17 +19,17 @@ import msgspec
 from litestar import Request, Response, get, post
 from litestar.response import Stream
 
+from chatcore.engine.errors import QueueFull, RequestRejected
 from chatcore.engine.outputs import RequestOutput, TokenLogprob
 from chatcore.engine.request import SamplingParams
-from chatcore.engine.scheduler import QueueFull, RequestRejected
 from chatcore.engine.token_logprobs import TokenTexts, chat_content
+from chatcore.outcomes import FinishReason
 from chatcore.server.auth import Principal
 from chatcore.server.bodies import ChatCompletionRequest, ChatMessage
 from chatcore.server.errors import ApiError
 from chatcore.server.params import compile_response_format, sampling_params
 from chatcore.server.services import Services
 from chatcore.server.tools import Tools, parse_tools, read_calls
-from chatcore.server.ws import arm_grace
 from chatcore.turnlog import log_turn
 
 # OpenAI fields chatcore does not implement. Each is accepted only at the value that asks for nothing
@@ -100,8 +100,9 @@ def uses_tools(messages: list[dict[str, Any]]) -> bool:
     return any(m["role"] == "tool" or "tool_calls" in m for m in messages)
 
 
-def finish_reason(reason: str) -> str:
-    return reason if reason in ("stop", "length", "tool_calls") else "stop"
+def finish_reason(reason: FinishReason) -> FinishReason:
+    """OpenAI's finish reasons are stop, length and tool_calls: a cancelled answer reports stop."""
+    return reason if reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.TOOL_CALLS) else FinishReason.STOP
 
 
 def usage(prompt: int, cached: int, completion: int) -> dict[str, Any]:
@@ -128,12 +129,12 @@ class Completion:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
     def full(self, texts: dict[int, str], logprobs: dict[int, list[TokenLogprob]], calls: dict[int, list[Any]],
-             reasons: dict[int, str], usage: dict[str, Any]) -> dict[str, Any]:
+             reasons: dict[int, FinishReason], usage: dict[str, Any]) -> dict[str, Any]:
         return {
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
             "choices": [{"index": i, "message": message(texts.get(i, ""), calls.get(i, [])),
                          "logprobs": self.logprobs(logprobs.get(i, [])),
-                         "finish_reason": finish_reason(reasons.get(i, "stop"))}
+                         "finish_reason": finish_reason(reasons.get(i, FinishReason.STOP))}
                         for i in sorted(set(texts) | set(reasons))],
             "usage": usage,
         }
@@ -160,12 +161,12 @@ async def engine_events(services: Services, principal_tenant: str, prompt_of: Ca
     final: RequestOutput | None = None
     try:
         prompt = await services.sessions.tokenize(prompt_of)
-        context = engine.core.scheduler.max_context
+        context = engine.max_context
         if not max_tokens_given and len(prompt) < context:
             params = replace(params, max_tokens=min(params.max_tokens, context - len(prompt)))
         request = engine.make_request(prompt, params, scope_key=services.sessions.scope_key(principal_tenant))
         try:
-            engine.core.scheduler.check_fits(request)
+            await engine.check_fits(request)
         except RequestRejected as exc:
             raise ApiError("too_large", str(exc)) from exc
         async with aclosing(engine.generate(request)) as stream:
@@ -181,10 +182,10 @@ async def engine_events(services: Services, principal_tenant: str, prompt_of: Ca
         active[principal_tenant] -= 1
     assert final is not None and final.usage is not None and final.timings is not None
     reasons = {o.index: o.finish_reason for o in final.outputs}
-    if final.error is not None and any(r in ("busy", "error") for r in reasons.values()):
-        raise ApiError("busy" if "busy" in reasons.values() else "internal", final.error)
+    if final.error_code is not None:
+        raise ApiError(final.error_code, final.error or "the request failed")
     usage, timings = final.usage, final.timings
-    services.metrics.record_request(next(iter(reasons.values()), "stop"), usage.prompt_tokens,
+    services.metrics.record_request(next(iter(reasons.values()), FinishReason.STOP), usage.prompt_tokens,
                                     usage.cached_tokens - usage.cached_disk_tokens, usage.cached_disk_tokens,
                                     timings.queue_ms, timings.ttft_ms, timings.inter_token_ms)
     log_turn(tenant_id=principal_tenant, session_id=None, request_id=request.request_id,
@@ -213,7 +214,7 @@ async def _session_events(services: Services, tenant_id: str, session_id: str, m
                 error = ApiError(frame["code"], frame["message"])
             elif frame["type"] == "done":
                 usage = frame["usage"]
-                if frame["finish_reason"] == "error":
+                if frame["finish_reason"] == FinishReason.ERROR:
                     raise error
                 reasons = {i: frame["finish_reason"] for i in range(params.n)}
                 yield "done", (reasons, (usage["prompt_tokens"], usage["cached_tokens"], usage["completion_tokens"]))
@@ -221,7 +222,7 @@ async def _session_events(services: Services, tenant_id: str, session_id: str, m
     finally:
         frames.unsubscribe(queue)
         if not frames.finished.is_set() and frames.attached == 0:
-            arm_grace(services, state)  # the HTTP client left mid-answer, like a dropped socket
+            services.turns.arm_grace(state)  # the HTTP client left mid-answer, like a dropped socket
 
 
 def _tools(services: Services, data: ChatCompletionRequest, messages: list[dict[str, Any]]) -> Tools | None:
@@ -239,7 +240,7 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
     refuse_unimplemented(data, UNIMPLEMENTED)
     messages = parse_messages(data.messages)
     max_tokens = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
-    params = sampling_params(data, services.settings, vocab_size=services.engine.core.vocab_size,
+    params = sampling_params(data, services.settings, vocab_size=services.engine.vocab_size,
                              max_tokens=max_tokens, logprobs=bool(data.logprobs), top_logprobs=data.top_logprobs or 0,
                              default_temperature=1.0, default_max_tokens=512)
     tools = _tools(services, data, messages)
@@ -247,7 +248,7 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
         if params.response_format is not None:
             raise ApiError("bad_request", "response_format cannot be combined with a required tool call")
         params = replace(params, response_format=tools.grammar())
-    grammars = services.engine.core.grammars
+    grammars = services.engine.grammars
     await compile_response_format(grammars, params.response_format, services.sessions.tokenize)
     session_id = request.headers.get("x-session-id")
     if session_id:

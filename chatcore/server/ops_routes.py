@@ -14,8 +14,6 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from sqlalchemy import func, select
 
-from chatcore.cache import audit
-from chatcore.engine.core import EngineCore
 from chatcore.periodic import Periodic
 from chatcore.server.auth import Principal
 from chatcore.server.errors import ApiError
@@ -44,7 +42,7 @@ async def readyz(services: Services) -> Response[dict[str, Any]]:
         async with services.sessionmaker() as db:
             await db.execute(select(1))
 
-    checks = {"engine": await _answers(services.engine.call(lambda core: None)),
+    checks = {"engine": await _answers(services.engine.on_thread(lambda: None)),
               "database": await _answers(database())}
     ready = all(checks.values())
     return Response({"status": "ready" if ready else "not ready",
@@ -71,7 +69,7 @@ async def metrics_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None
 async def metrics(services: Services) -> Response[bytes]:
     """O(1): the counters catch up with two running totals; the gauges are `GaugeRefresher`'s."""
     m = services.metrics
-    m.catch_up(m.preemptions, services.engine.core.scheduler.preemptions)
+    m.catch_up(m.preemptions, services.engine.preemptions)
     # Corrupt, truncated or foreign block files the disk tier refused to use.
     m.catch_up(m.disk_blocks_rejected, services.disk.rejected if services.disk is not None else 0)
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
@@ -95,44 +93,12 @@ class GaugeRefresher:
 
     async def refresh(self) -> None:
         services = self.services
-        stats = await services.engine.call(lambda core: core.pool.stats())
+        stats = await services.engine.stats()
         services.metrics.set_kv_blocks(stats.free, stats.cached, stats.used)
         async with services.sessionmaker() as db:
             total = await db.scalar(select(func.count()).select_from(ChatSession)) or 0
         counts = services.sessions.counts()
         services.metrics.set_sessions(counts["hot"], counts["warm"], total)
-
-
-def block_map(core: EngineCore, request_sessions: dict[str, str]) -> dict[str, Any]:
-    """Runs on the engine thread: the audit plus which sessions map which blocks."""
-    report = audit(core.pool)
-    owners: dict[int, set[str]] = {}
-    per_session: dict[str, dict[int, None]] = {}
-    for table in core.pool.tables:
-        owner = table.owner
-        if owner.startswith("session:"):
-            session = owner.removeprefix("session:")
-        else:
-            session = request_sessions.get(owner.split("/")[0], "")
-        for block_id in table.block_ids:
-            if session:
-                owners.setdefault(block_id, set()).add(session)
-        if session:
-            per_session.setdefault(session, {}).update(dict.fromkeys(table.block_ids))
-    blocks = []
-    for block in core.pool.blocks:
-        state = "used" if block.ref > 0 else "cached" if core.pool.is_cached(block.id) else "free"
-        if state != "free":
-            blocks.append({"id": block.id, "state": state, "ref": block.ref,
-                           "sessions": sorted(owners.get(block.id, ()))})
-    return {
-        "block_size": core.pool.block_size,
-        "audit": {"ok": report.ok, "violations": report.violations, "total": report.total, "free": report.free,
-                  "cached": report.cached, "used": report.used, "sum_refs": report.sum_refs,
-                  "sum_table_lens": report.sum_table_lens},
-        "blocks": blocks,
-        "sessions": [{"id": sid, "blocks": list(ids)} for sid, ids in per_session.items()],
-    }
 
 
 @get("/v1/admin/cache")
@@ -141,7 +107,7 @@ async def admin_cache(services: Services, principal: Principal) -> dict[str, Any
         raise ApiError("unauthorized", "the admin routes need an admin key")
     live = services.sessions.live
     request_sessions = {s.request_id: s.id for s in live.values() if s.request_id}
-    result = await services.engine.call(lambda core: block_map(core, request_sessions))
+    result = await services.engine.on_thread(lambda: services.engine.blocks.block_map(request_sessions))
     titles = {s.id: s.title for s in live.values()}
     for item in result["sessions"]:
         item["title"] = titles.get(item["id"], "")

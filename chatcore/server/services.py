@@ -12,17 +12,18 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy.ext.asyncio import AsyncEngine as DbEngine
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from chatcore.config import Settings
-from chatcore.engine.engine import AsyncEngine
+from chatcore.engine.engine import InferenceEngine
 from chatcore.kv.sizing import describe, disk_budget_bytes, holds
 from chatcore.kv.tensors import KVTensors
 from chatcore.metrics import Metrics
 from chatcore.models.loader import LoadedModel, load_model
+from chatcore.outcomes import FinishReason
 from chatcore.sessions.disk_tier import DiskTier
 from chatcore.sessions.manager import SessionManager
+from chatcore.sessions.pins import PinRegistry
 from chatcore.sessions.policy import EvictionPolicy
 from chatcore.sessions.turns import TurnRunner
 from chatcore.store.db import create_engine, create_sessionmaker, migrate
@@ -35,9 +36,9 @@ LOCAL_TENANT = "local"
 @dataclass
 class Services:
     settings: Settings
-    db: DbEngine
+    db: AsyncEngine
     sessionmaker: async_sessionmaker[AsyncSession]
-    engine: AsyncEngine
+    engine: InferenceEngine
     metrics: Metrics
     sessions: SessionManager
     turns: TurnRunner
@@ -46,7 +47,9 @@ class Services:
     local_tenant_id: str
     model_name: str
     tiers: dict[str, Any]  # what each KV tier holds (`kv_tiers`)
-    extra: dict[str, Any] = field(default_factory=dict)
+    # The WebSocket connection attached to each session (a `chatcore.server.ws.Connection`): one at a
+    # time. Typed Any: dependency injection evaluates these annotations at run time, and ws imports this module.
+    ws_attached: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     async def start(cls, settings: Settings, loaded: LoadedModel | None = None) -> Services:
@@ -58,37 +61,39 @@ class Services:
         async with sessionmaker() as session, session.begin():
             local = await Repos(session).tenants.get_or_create_tenant(LOCAL_TENANT)
         loaded = loaded or await asyncio.to_thread(load_model, settings)
-        engine = await asyncio.to_thread(AsyncEngine.from_settings, settings, loaded)
+        pins = PinRegistry(settings.hot_window_s)
+        engine = await asyncio.to_thread(InferenceEngine.from_settings, settings, loaded, pins.reclaim)
         metrics = Metrics()
         disk = None
         disk_bytes = disk_budget_bytes(settings.kv_disk_gb, settings.resolved_kv_disk_dir)
         if disk_bytes > 0:
             disk = DiskTier(settings.resolved_kv_disk_dir, loaded.fingerprint, disk_bytes, sessionmaker)
             await disk.sweep()  # what a crash left behind, before the budget counts files
-        tiers = kv_tiers(engine, disk_bytes)
+        tiers = await kv_tiers(engine, disk_bytes)
         log.info("engine: %s on %s in %s; KV tiers: %s; %s", loaded.path.name, loaded.device, loaded.dtype_name,
                  describe("device pool", tiers["device"]),
                  describe("disk tier", tiers["disk"]) if tiers["disk"] else "no disk tier")
-        manager = SessionManager(engine, sessionmaker, settings, metrics, disk)
+        manager = SessionManager(engine, sessionmaker, settings, metrics, pins, disk)
         interrupted = await manager.mark_interrupted()
         if interrupted:
             log.warning("%d turn(s) were interrupted by the last shutdown", interrupted)
-        policy = EvictionPolicy(manager)
+        policy = EvictionPolicy(manager, engine, pins, settings)
         policy.start()
         manager.leases.start()
-        return cls(settings, db, sessionmaker, engine, metrics, manager, TurnRunner(manager), policy, disk,
-                   local.id, loaded.path.name, tiers)
+        turns = TurnRunner(manager, engine, pins, disk, settings, metrics)
+        return cls(settings, db, sessionmaker, engine, metrics, manager, turns, policy, disk, local.id,
+                   loaded.path.name, tiers)
 
     def limits(self) -> dict[str, int]:
         """What a client may ask for: the largest `max_tokens`, the longest message and the context, in tokens."""
         return {"max_tokens": self.settings.max_tokens_limit, "max_message_tokens": self.settings.max_message_tokens,
-                "context": self.engine.core.scheduler.max_context}
+                "context": self.engine.max_context}
 
     async def stop(self) -> None:
         await self.policy.stop()
         for state in list(self.sessions.live.values()):
             if state.turn_running:
-                await self.turns.cancel(state, "disconnected")
+                await self.turns.cancel(state, FinishReason.DISCONNECTED)
         running = [s.running for s in self.sessions.live.values() if s.running is not None]
         await asyncio.gather(*running, return_exceptions=True)
         await asyncio.gather(*self.turns.background, return_exceptions=True)
@@ -100,13 +105,13 @@ class Services:
         await self.db.dispose()
 
 
-def kv_tiers(engine: AsyncEngine, disk_bytes: int) -> dict[str, Any]:
+async def kv_tiers(engine: InferenceEngine, disk_bytes: int) -> dict[str, Any]:
     """Each KV tier's size in bytes, tokens and whole sessions of 1k and 4k tokens."""
-    core = engine.core
-    loaded = core.loaded
-    per_token = KVTensors.bytes_per_block(loaded.num_layers, 1, loaded.num_kv_heads, loaded.head_dim, core.kv.dtype)
-    per_block = per_token * core.pool.block_size
+    loaded = engine.loaded
+    per_token = KVTensors.bytes_per_block(loaded.num_layers, 1, loaded.num_kv_heads, loaded.head_dim, engine.kv_dtype)
+    per_block = per_token * engine.block_size
+    num_blocks = await engine.on_thread(lambda: engine.blocks.num_blocks)
     device = {"device": str(loaded.device), "model_dtype": loaded.dtype_name,
-              "dtype": str(core.kv.dtype).removeprefix("torch."), "blocks": core.pool.num_blocks,
-              **holds(core.pool.num_blocks * per_block, per_token)}
+              "dtype": str(engine.kv_dtype).removeprefix("torch."), "blocks": num_blocks,
+              **holds(num_blocks * per_block, per_token)}
     return {"device": device, "disk": holds(disk_bytes, per_token) if disk_bytes > 0 else None}

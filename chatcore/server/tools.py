@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chatcore.engine.grammar import ResponseFormat
+from chatcore.outcomes import FinishReason
 from chatcore.server.bodies import ChatCompletionRequest, NamedToolChoice
 from chatcore.server.errors import ApiError
 from chatcore.sessions.template import TOOL_CALL_CLOSE as CLOSE
@@ -190,8 +191,8 @@ async def read_calls(events: AsyncIterator[Event], tools: Tools) -> AsyncIterato
                     if rest:
                         yield "delta", (index, rest, None)
                 called = {i for i, reader in readers.items() if reader.calls}
-                yield "done", ({i: "tool_calls" if r == "stop" and i in called else r for i, r in reasons.items()},
-                               counts)
+                yield "done", ({i: FinishReason.TOOL_CALLS if r == FinishReason.STOP and i in called else r
+                                for i, r in reasons.items()}, counts)
                 return
             index, text, logprobs = value
             reader = readers.setdefault(index, CallReader(tools))

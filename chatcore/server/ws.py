@@ -19,6 +19,7 @@ import msgspec
 from litestar import WebSocket, websocket
 from litestar.connection import ASGIConnection
 
+from chatcore.outcomes import FinishReason
 from chatcore.server.auth import (
     Authenticator,
     Principal,
@@ -63,27 +64,6 @@ def origin_allowed(socket: ASGIConnection, allowed: list[str]) -> bool:
     host = socket.headers.get("host", "")
     netloc = urlsplit(origin).netloc
     return netloc == host or origin in allowed or "*" in allowed
-
-
-def arm_grace(services: Services, state: SessionState) -> None:
-    """Nobody follows the running turn any more: cancel it as `disconnected` unless a client
-    re-attaches (which cancels the timer) within the grace period. The timer is bound to this
-    turn: if the turn ends on its own and another starts, the late timer leaves that one alone."""
-    frames = state.current
-    if frames is None or not state.turn_running:
-        return
-    if state.grace_timer is not None:
-        state.grace_timer.cancel()
-    runner = services.turns
-
-    def expire() -> None:
-        state.grace_timer = None
-        if state.current is frames and state.turn_running:
-            task = asyncio.ensure_future(runner.cancel(state, "disconnected"))
-            runner.background.add(task)
-            task.add_done_callback(runner.background.discard)
-
-    state.grace_timer = asyncio.get_running_loop().call_later(services.settings.disconnect_grace_s, expire)
 
 
 class Close(NamedTuple):
@@ -146,7 +126,7 @@ class Connection:
 
     # ----- session attachment ----------------------------------------------------------------
     def attachments(self) -> dict[str, Connection]:
-        return self.services.extra.setdefault("ws_attached", {})
+        return self.services.ws_attached
 
     def attach(self, state: SessionState) -> None:
         self.detach()
@@ -170,7 +150,7 @@ class Connection:
         if state is None or self.attachments().get(state.id) is not self:
             return
         del self.attachments()[state.id]
-        arm_grace(self.services, state)
+        self.services.turns.arm_grace(state)
 
     def stop_pump(self) -> None:
         if self.pump is not None:
@@ -211,7 +191,7 @@ class Connection:
         elif isinstance(frame, Cancel):
             if self.state is None:
                 raise ApiError("bad_request", "send hello first")
-            await self.services.turns.cancel(self.state, "cancelled")
+            await self.services.turns.cancel(self.state, FinishReason.CANCELLED)
 
     async def hello(self, frame: Hello) -> None:
         session_id, token, last_seq = frame.session_id, frame.resume_token, frame.last_seq
@@ -249,11 +229,11 @@ class Connection:
         if fields.tools is not msgspec.UNSET or fields.tool_choice is not msgspec.UNSET:
             raise ApiError("unsupported_parameter", "tools are not available in sessions (a session keeps no tool "
                                                     "calls); use POST /v1/chat/completions with the whole conversation")
-        params = sampling_params(fields, services.settings, vocab_size=services.engine.core.vocab_size,
+        params = sampling_params(fields, services.settings, vocab_size=services.engine.vocab_size,
                                  max_tokens=fields.max_tokens, logprobs=bool(fields.logprobs),
                                  top_logprobs=fields.top_logprobs or 0, default_max_tokens=256,
                                  default_temperature=0.7)
-        grammars = services.engine.core.grammars
+        grammars = services.engine.grammars
         await compile_response_format(grammars, params.response_format, services.sessions.tokenize)
         # An idle session may have gone cold (dropped from memory) while this socket stayed attached:
         # run the turn on the session's live state, never on the old object (that would fork the session).

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from chatcore.cache import chain_hashes
 from chatcore.sessions.state import HISTORY_REASONS, SessionState
 from chatcore.sessions.template import ChatTemplate
 from chatcore.sessions.window import exchanges
@@ -85,8 +84,6 @@ async def branch(manager: SessionManager, tenant_id: str, session_id: str, keep:
 async def _fill(manager: SessionManager, state: SessionState, pairs: list[tuple[Turn, Turn]],
                 tokens: list[int]) -> None:
     """The branch's rows (copies of the kept exchanges, without statistics: nothing ran here) and chain."""
-    core = manager.engine.core
-    block_size = core.pool.block_size
     async with manager.sessionmaker() as db, db.begin():
         repos = Repos(db)
         for user, assistant in pairs:
@@ -94,7 +91,6 @@ async def _fill(manager: SessionManager, state: SessionState, pairs: list[tuple[
             await repos.turns.add_turn(state.id, "assistant", assistant.content, unpack_ids(assistant.token_ids),
                                        finish_reason=assistant.finish_reason)
         if tokens:
-            await repos.chains.save_chain(state.id, tokens, chain_hashes(tokens, block_size, core.salt(state.scope_key)),
-                                          block_size, len(tokens))
+            await manager.save_chain(repos, state, tokens)
     state.tokens = list(tokens)
     state.turn_count = 2 * len(pairs)

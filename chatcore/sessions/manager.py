@@ -17,18 +17,22 @@ from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from chatcore.cache import chain_hashes
 from chatcore.config import Settings
-from chatcore.engine.engine import AsyncEngine
+from chatcore.engine.engine import InferenceEngine
 from chatcore.engine.token_logprobs import TokenTexts
 from chatcore.metrics import Metrics
+from chatcore.outcomes import FinishReason
 from chatcore.sessions.disk_tier import DiskTier
+from chatcore.sessions.frames import TurnFrames
 from chatcore.sessions.leases import LeaseKeeper
 from chatcore.sessions.pins import PinRegistry
+from chatcore.sessions.report import done_frame, timing, usage
 from chatcore.sessions.state import HISTORY_REASONS, SessionState
 from chatcore.sessions.template import ChatTemplate
-from chatcore.sessions.turn import TurnFrames
 from chatcore.sessions.window import exchanges, view
-from chatcore.store.repos import Repos
+from chatcore.store.models import ChatSession, Turn
+from chatcore.store.repos import Chain, Repos, TurnStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -65,26 +69,25 @@ SESSION_ID = re.compile(r"[A-Za-z0-9_-]{22}|[0-9a-f]{32}")
 
 
 class SessionManager:
-    def __init__(self, engine: AsyncEngine, sessionmaker: async_sessionmaker[AsyncSession], settings: Settings,
-                 metrics: Metrics, disk: DiskTier | None = None) -> None:
+    def __init__(self, engine: InferenceEngine, sessionmaker: async_sessionmaker[AsyncSession], settings: Settings,
+                 metrics: Metrics, pins: PinRegistry, disk: DiskTier | None = None) -> None:
+        """`pins`: the registry whose `reclaim` the engine was built with (`InferenceEngine`'s hook)."""
         self.engine = engine
         self.sessionmaker = sessionmaker
         self.settings = settings
         self.metrics = metrics
         self.disk = disk
-        loaded = engine.core.loaded
+        loaded = engine.loaded
         self.fingerprint = loaded.fingerprint
         self.template = ChatTemplate(loaded.tokenizer, loaded.stop_token_ids)
         self.token_texts = TokenTexts(loaded.tokenizer)  # log-probs' token texts, for every route
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatcore-tokenize")
-        self.pins = PinRegistry(settings.hot_window_s)
+        self.pins = pins
         self.live: dict[str, SessionState] = {}
         self.active_turns: Counter[str] = Counter()
         self._loading: dict[str, asyncio.Lock] = {}
         self.leases = LeaseKeeper(sessionmaker, settings,
                                   running=lambda: [sid for sid, s in self.live.items() if s.turn_running])
-        core = engine.core
-        core.scheduler.reclaim = lambda wanted: self.pins.reclaim(wanted, lambda: core.pool.num_available)
 
     async def tokenize(self, work: Callable[[], T]) -> T:
         """Run `work`, tokenizer work on text a client sent (an encode, or the chat template rendered
@@ -164,11 +167,11 @@ class SessionManager:
             previous = await self._take_lease(state.tenant_id, state.id)
         except NotFound:
             self.live.pop(state.id, None)
-            await self.engine.call(lambda core: self.pins.release(state.id))
+            await self.engine.on_thread(lambda: self.pins.release(state.id))
             raise
         if previous != self.leases.replica_id and not state.turn_running:
             fresh = await self._read(state.tenant_id, state.id)
-            await self.engine.call(lambda core: self.pins.release(state.id))  # its KV may be stale
+            await self.engine.on_thread(lambda: self.pins.release(state.id))  # its KV may be stale
             for name in ("title", "system_prompt", "tokens", "messages", "window_start", "turn_count", "next_seq",
                          "current"):
                 setattr(state, name, getattr(fresh, name))
@@ -181,6 +184,12 @@ class SessionManager:
         """The session as the database has it. Called with the lease held and no turn of it
         running here, so a turn the database still shows running was lost with a replica (or a
         crash): it is closed as interrupted, and a client that re-attaches gets its `done`."""
+        row, chain, turns = await self._load_rows(tenant_id, session_id)
+        return await self._rebuild(row, chain, turns)
+
+    async def _load_rows(self, tenant_id: str, session_id: str) -> tuple[ChatSession, Chain | None, list[Turn]]:
+        """The session's row, chain and turns, in one transaction that closes its running turns as
+        interrupted and marks it warm; `NotFound` for another tenant's."""
         async with self.sessionmaker() as db, db.begin():
             repos = Repos(db)
             row = await repos.sessions.get(tenant_id, session_id)
@@ -190,6 +199,12 @@ class SessionManager:
             chain = await repos.chains.load_chain(session_id)
             turns = await repos.turns.list_turns(session_id)
             await repos.sessions.set_state(session_id, "warm")
+        return row, chain, turns
+
+    async def _rebuild(self, row: ChatSession, chain: Chain | None, turns: list[Turn]) -> SessionState:
+        """The in-memory state of a session from its rows: its complete exchanges, the `done` of a
+        turn that was interrupted, and its model view (the stored chain, or re-rendered where
+        another model wrote it)."""
         state = SessionState(row.id, row.tenant_id, row.title, row.system_prompt, self.scope_key(row.tenant_id))
         state.next_seq = row.next_seq
         if row.system_prompt:
@@ -205,15 +220,11 @@ class SessionManager:
                     state.messages += [pending_user, {"role": "assistant", "content": turn.content}]
                 pending_user = None
         last = turns[-1] if turns else None
-        if last is not None and last.role == "assistant" and last.finish_reason == "interrupted":
+        if last is not None and last.role == "assistant" and last.finish_reason == FinishReason.INTERRUPTED:
             # Its frames died with the replica: re-attaching clients get `done` (disconnected),
             # numbered after every frame the turn could have used (its range was reserved).
             state.current = TurnFrames(last.idx // 2, last.client_id, lambda: row.next_seq)
-            state.current.emit({"type": "done", "finish_reason": "disconnected",
-                                "usage": {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0,
-                                          "cached_device_tokens": 0, "cached_disk_tokens": 0,
-                                          "recomputed_tokens": 0, "truncated_turns": 0},
-                                "timing": {"queue_ms": None, "ttft_ms": None, "total_ms": None}})
+            state.current.emit(done_frame(FinishReason.DISCONNECTED, TurnStats(), 0))
         if chain is not None:
             state.window_start = min(chain.window_start, exchanges(state.messages))
         if chain is not None and row.model_fingerprint == self.fingerprint:
@@ -263,7 +274,7 @@ class SessionManager:
             await self.engine.abort(state.request_id)
             if state.running is not None:
                 await asyncio.gather(state.running, return_exceptions=True)
-        await self.engine.call(lambda core: (self.pins.release(session_id), core.pool.drop_group(session_id)))
+        await self.engine.on_thread(lambda: (self.pins.release(session_id), self.engine.blocks.drop_group(session_id)))
         async with self.sessionmaker() as db, db.begin():
             if not await Repos(db).sessions.delete(tenant_id, session_id):
                 raise NotFound("no such session")
@@ -296,18 +307,14 @@ class SessionManager:
             turns = await repos.turns.list_turns(session_id)
             chain = await repos.chains.load_chain(session_id)
         state = self.live.get(session_id)
-        pinned = await self.engine.call(lambda core: len(t) if (t := self.pins.tables().get(session_id)) else 0)
+        pinned = await self.engine.on_thread(lambda: len(t) if (t := self.pins.tables().get(session_id)) else 0)
         history = []
         for turn in turns:
             item: dict[str, Any] = {"role": turn.role, "content": turn.content}
             if turn.role == "assistant":
                 item["finish_reason"] = turn.finish_reason
-                item["usage"] = {"prompt_tokens": turn.prompt_tokens, "cached_tokens": turn.cached_tokens,
-                                 "completion_tokens": turn.completion_tokens,
-                                 "cached_device_tokens": turn.cached_device_tokens,
-                                 "cached_disk_tokens": turn.cached_disk_tokens,
-                                 "recomputed_tokens": turn.recomputed_tokens}
-                item["timing"] = {"queue_ms": turn.queue_ms, "ttft_ms": turn.ttft_ms, "total_ms": turn.total_ms}
+                item["usage"] = usage(turn)
+                item["timing"] = timing(turn)
             history.append(item)
         tokens = len(state.tokens) if state is not None else len(chain.token_ids) if chain else 0
         truncated = state.window_start if state is not None else chain.window_start if chain else 0
@@ -326,22 +333,25 @@ class SessionManager:
         hot = sum(1 for sid in self.live if self.state_of(sid) == "hot")
         return {"hot": hot, "warm": len(self.live) - hot}
 
+    async def save_chain(self, repos: Repos, state: SessionState, tokens: list[int], window_start: int = 0,
+                         num_computed: int | None = None) -> None:
+        """Write `tokens` as the session's chain, hashed in its cache scope; `num_computed`: how many
+        of them have KV somewhere (all, unless given)."""
+        bs = self.engine.block_size
+        await repos.chains.save_chain(state.id, tokens, chain_hashes(tokens, bs, self.engine.salt(state.scope_key)), bs,
+                                      len(tokens) if num_computed is None else num_computed,
+                                      window_start=window_start)
+
     async def go_cold(self, state: SessionState) -> None:
         """Write what rebuilds the session (one transaction), then drop it from memory."""
-        from chatcore.cache import chain_hashes
-
-        core = self.engine.core
-        bs = core.pool.block_size
-        salt = core.salt(state.scope_key)
-        await self.engine.call(lambda c: self.pins.release(state.id))
+        await self.engine.on_thread(lambda: self.pins.release(state.id))
         async with self.sessionmaker() as db, db.begin():
             repos = Repos(db)
             if not await repos.leases.release(self.leases.replica_id, [state.id]):
                 self.live.pop(state.id, None)  # another replica took it over: what we hold is stale
                 return
             if state.tokens:
-                await repos.chains.save_chain(state.id, state.tokens, chain_hashes(state.tokens, bs, salt), bs,
-                                              len(state.tokens), window_start=state.window_start)
+                await self.save_chain(repos, state, state.tokens, state.window_start)
             await repos.sessions.set_seq(state.id, state.next_seq)
             await repos.sessions.set_state(state.id, "cold")
         self.live.pop(state.id, None)

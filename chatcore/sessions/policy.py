@@ -17,17 +17,24 @@ from __future__ import annotations
 
 import time
 
-from chatcore.engine.core import EngineCore
+from chatcore.config import Settings
+from chatcore.engine.engine import InferenceEngine
 from chatcore.periodic import Periodic
 from chatcore.sessions.manager import SessionManager
+from chatcore.sessions.pins import PinRegistry
 
 
 class EvictionPolicy:
-    def __init__(self, manager: SessionManager, interval_s: float = 1.0) -> None:
-        self.m = manager
+    def __init__(self, sessions: SessionManager, engine: InferenceEngine, pins: PinRegistry, settings: Settings,
+                 interval_s: float = 1.0) -> None:
+        """`sessions`: the live sessions, and how one goes cold; `pins`: their pinned chains."""
+        self.sessions = sessions
+        self.engine = engine
+        self.pins = pins
+        self.settings = settings
         self._last_engine_pass = 0.0
         self._periodic = Periodic("eviction pass", interval_s, self.demote_idle)
-        manager.engine.housekeeping.append(self.engine_pass)
+        engine.housekeeping.append(self.engine_pass)
 
     def engine_pass(self) -> None:
         """On the engine thread: expire and trim pins (at most every 100 ms)."""
@@ -35,11 +42,10 @@ class EvictionPolicy:
         if now - self._last_engine_pass < 0.1:
             return
         self._last_engine_pass = now
-        core: EngineCore = self.m.engine.core
-        pins = self.m.pins
+        pins = self.pins
         pins.expire(now)
-        pins.trim(self.m.settings.max_hot_sessions)
-        limit = int(self.m.settings.pinned_kv_fraction * core.pool.num_blocks)
+        pins.trim(self.settings.max_hot_sessions)
+        limit = int(self.settings.pinned_kv_fraction * self.engine.blocks.num_blocks)
         tables = pins.tables()
         pinned = sum(len(t) for t in tables.values())
         for session_id, table in tables.items():
@@ -57,14 +63,14 @@ class EvictionPolicy:
     async def demote_idle(self, now: float | None = None) -> list[str]:
         """Send idle warm sessions cold; returns their ids."""
         now = now if now is not None else time.monotonic()
-        idle = [s for s in self.m.live.values()
-                if not s.turn_running and now - s.last_active >= self.m.settings.warm_idle_s
-                and s.id not in self.m.pins]
+        idle = [s for s in self.sessions.live.values()
+                if not s.turn_running and now - s.last_active >= self.settings.warm_idle_s
+                and s.id not in self.pins]
         demoted: list[str] = []
         for state in idle:
             async with state.lock:
                 if state.turn_running:
                     continue
-                await self.m.go_cold(state)
+                await self.sessions.go_cold(state)
                 demoted.append(state.id)
         return demoted

@@ -6,10 +6,12 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from chatcore.sessions.turn import TurnFrames
+from chatcore.outcomes import FinishReason
+from chatcore.sessions.frames import TurnFrames
 
 # How a turn may end and still join the canonical history (in memory and when read back).
-HISTORY_REASONS = frozenset({"stop", "length", "cancelled", "disconnected"})
+HISTORY_REASONS = frozenset({FinishReason.STOP, FinishReason.LENGTH, FinishReason.CANCELLED,
+                             FinishReason.DISCONNECTED})
 
 
 @dataclass(eq=False)
@@ -32,7 +34,7 @@ class SessionState:
     running: asyncio.Task[None] | None = None
     prefetching: asyncio.Task[int] | None = None  # disk reads started by `hello` (TurnRunner.prefetch)
     request_id: str | None = None
-    cancel_reason: str | None = None
+    cancel_reason: FinishReason | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Set while a client socket is attached; the grace timer runs while it is None mid-turn.
     grace_timer: asyncio.TimerHandle | None = None

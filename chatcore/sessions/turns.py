@@ -18,36 +18,47 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from contextlib import aclosing
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
-import torch
-
-from chatcore.cache import BlockTable, chain_hashes, longest_prefix
-from chatcore.engine.core import EngineCore
+from chatcore.cache import chain_hashes
+from chatcore.engine.errors import QueueFull, RequestRejected
 from chatcore.engine.outputs import RequestOutput
 from chatcore.engine.request import Request, SamplingParams
-from chatcore.engine.scheduler import QueueFull, RequestRejected
 from chatcore.engine.token_logprobs import chat_content
+from chatcore.outcomes import ErrorCode, FinishReason
+from chatcore.sessions.frames import TurnFrames
 from chatcore.sessions.leases import LeaseLost
 from chatcore.sessions.manager import Busy, Conflict, TooLarge
+from chatcore.sessions.report import done_frame
 from chatcore.sessions.state import HISTORY_REASONS, SessionState
-from chatcore.sessions.turn import TurnFrames
 from chatcore.sessions.window import Window, next_prompt
 from chatcore.store.repos import Repos, TurnStats
 from chatcore.turnlog import log_turn
 
 if TYPE_CHECKING:
+    from chatcore.config import Settings
+    from chatcore.engine.engine import InferenceEngine
+    from chatcore.metrics import Metrics
+    from chatcore.sessions.disk_tier import DiskTier
     from chatcore.sessions.manager import SessionManager
+    from chatcore.sessions.pins import PinRegistry
 
 log = logging.getLogger(__name__)
 
 
 class TurnRunner:
-    def __init__(self, manager: SessionManager) -> None:
-        self.m = manager
-        self.engine = manager.engine
+    def __init__(self, sessions: SessionManager, engine: InferenceEngine, pins: PinRegistry, disk: DiskTier | None,
+                 settings: Settings, metrics: Metrics) -> None:
+        """`sessions`: the sessions turns run in (their leases, rows, histories and tokenizer thread);
+        `pins`: their pinned chains (engine thread only); `disk`: the disk tier, if any."""
+        self.sessions = sessions
+        self.engine = engine
+        self.pins = pins
+        self.disk = disk
+        self.settings = settings
+        self.metrics = metrics
         self.background: set[asyncio.Task[object]] = set()
 
     async def start(self, state: SessionState, content: str, params: SamplingParams,
@@ -65,35 +76,35 @@ class TurnRunner:
                 return state.current
             if state.turn_running:
                 raise Busy("a turn is already running in this session")
-            if self.m.active_turns[state.tenant_id] >= self.m.settings.max_turns_per_tenant:
-                raise Busy(f"the tenant already runs {self.m.settings.max_turns_per_tenant} turns")
+            if self.sessions.active_turns[state.tenant_id] >= self.settings.max_turns_per_tenant:
+                raise Busy(f"the tenant already runs {self.settings.max_turns_per_tenant} turns")
             # Taken before the first await (the lease, the tokenizer thread, the database), so that
             # no other turn of the tenant passes the check meanwhile; the turn task gives it back.
-            self.m.active_turns[state.tenant_id] += 1
+            self.sessions.active_turns[state.tenant_id] += 1
             try:
                 return await self._begin(state, content, params, client_id, max_tokens_given)
             except BaseException:
-                self.m.active_turns[state.tenant_id] -= 1
+                self.sessions.active_turns[state.tenant_id] -= 1
                 raise
 
     async def _begin(self, state: SessionState, content: str, params: SamplingParams,
                      client_id: str | None, max_tokens_given: bool) -> TurnFrames:
         """The turn's prompt, rows and task (the caller holds `state.lock`, so the history stays put)."""
-        await self.m.hold(state)  # the lease: this replica alone runs the session's turns
-        context = self.engine.core.scheduler.max_context
-        window = await self.m.tokenize(lambda: self._prompt(state, content, params.max_tokens, context))
+        await self.sessions.hold(state)  # the lease: this replica alone runs the session's turns
+        context = self.engine.max_context
+        window = await self.sessions.tokenize(lambda: self._prompt(state, content, params.max_tokens, context))
         prompt, added = window.prompt, window.added
         if not max_tokens_given and len(prompt) < context:
             params = replace(params, max_tokens=min(params.max_tokens, context - len(prompt)))
         req = self.engine.make_request(prompt, params, scope_key=state.scope_key)
         req.keep_table = True
         try:
-            self.engine.core.scheduler.check_fits(req)
+            await self.engine.check_fits(req)
         except RequestRejected as exc:
             raise TooLarge(str(exc)) from exc
         exchange = state.turn_count // 2
         reserve = 3 + params.max_tokens * params.num_sequences
-        async with self.m.sessionmaker() as db, db.begin():
+        async with self.sessions.sessionmaker() as db, db.begin():
             repos = Repos(db)
             first = await repos.sessions.reserve_seq(state.id, reserve)
             await repos.turns.add_turn(state.id, "user", content, prompt[len(prompt) - added:],
@@ -114,8 +125,8 @@ class TurnRunner:
     def _prompt(self, state: SessionState, content: str, max_tokens: int, context: int) -> Window:
         """On the tokenizer thread: the turn's prompt within the context (`chatcore.sessions.window`);
         `TooLarge` for a message over the limit, before rendering anything."""
-        template = self.m.template
-        settings = self.m.settings
+        template = self.sessions.template
+        settings = self.settings
         message_tokens = len(template.tokenizer.encode(content, add_special_tokens=False))
         if message_tokens > settings.max_message_tokens:
             raise TooLarge(f"the message is {message_tokens} tokens; "
@@ -128,16 +139,35 @@ class TurnRunner:
         """Wait for the disk-tier writes started so far."""
         await asyncio.gather(*list(self.background), return_exceptions=True)
 
-    async def cancel(self, state: SessionState, reason: str = "cancelled") -> None:
+    async def cancel(self, state: SessionState, reason: FinishReason = FinishReason.CANCELLED) -> None:
         if state.turn_running and state.request_id is not None:
             state.cancel_reason = reason
             await self.engine.abort(state.request_id)
+
+    def arm_grace(self, state: SessionState) -> None:
+        """Nobody follows the running turn any more: cancel it as `disconnected` unless a client
+        re-attaches (which cancels the timer) within the grace period. The timer is bound to this
+        turn: if the turn ends on its own and another starts, the late timer leaves that one alone."""
+        frames = state.current
+        if frames is None or not state.turn_running:
+            return
+        if state.grace_timer is not None:
+            state.grace_timer.cancel()
+
+        def expire() -> None:
+            state.grace_timer = None
+            if state.current is frames and state.turn_running:
+                task = asyncio.ensure_future(self.cancel(state, FinishReason.DISCONNECTED))
+                self.background.add(task)
+                task.add_done_callback(self.background.discard)
+
+        state.grace_timer = asyncio.get_running_loop().call_later(self.settings.disconnect_grace_s, expire)
 
     # ----- the turn task ---------------------------------------------------------------------
     async def _run(self, state: SessionState, frames: TurnFrames, req: Request, content: str,
                    window: Window, assistant_id: int) -> None:
         final: RequestOutput | None = None
-        error: str | None = None
+        error: ErrorCode | None = None
         try:  # the tenant's slot is given back whatever happens, a cancellation too
             try:
                 frames.emit({"type": "start", "truncated_turns": window.window_start})
@@ -151,44 +181,44 @@ class TurnRunner:
                             for delta in out.deltas:
                                 if delta.logprobs:
                                     frames.emit({"type": "token", "index": delta.index, "text": delta.text,
-                                                 "logprobs": chat_content(self.m.token_texts, delta.logprobs)})
+                                                 "logprobs": chat_content(self.sessions.token_texts, delta.logprobs)})
                                 elif delta.text:
                                     frames.emit({"type": "token", "index": delta.index, "text": delta.text})
                             if out.finished:
                                 final = out
             except QueueFull:
-                error = "busy"
-            except Exception as exc:  # the turn fails, the session and the server live on
+                error = ErrorCode.BUSY
+            except Exception:  # the turn fails, the session and the server live on
                 log.exception("turn failed in session %s", state.id)
-                error = f"{type(exc).__name__}"
+                error = ErrorCode.INTERNAL
             try:
                 if req.prefix_table is not None:  # it never reached the engine, which would release it
-                    await self.engine.call(lambda core: core.discard(req))
+                    await self.engine.on_thread(lambda: self.engine.blocks.discard(req))
             except Exception:  # the engine is stopping: it releases everything itself
                 log.exception("could not release the prefix of a turn in session %s", state.id)
             await self._finish(state, frames, req, content, window, final, error, assistant_id)
         finally:
-            self.m.active_turns[state.tenant_id] -= 1
+            self.sessions.active_turns[state.tenant_id] -= 1
             state.request_id = None
             state.last_active = time.monotonic()
 
     async def _attach_prefix(self, state: SessionState, req: Request, use_pin: bool) -> None:
         prompt = req.prompt
-        disk = self.m.disk
-        bs = self.engine.core.pool.block_size
+        disk = self.disk
+        bs = self.engine.block_size
         max_blocks = (len(prompt) - 1) // bs
         prefetched = await self._prefetched(state)
 
-        def take_pin(core: EngineCore) -> int:
-            table = self.m.pins.take(state.id)
+        def take_pin() -> int:
+            table = self.pins.take(state.id)
             if table is not None:
                 if use_pin and table.num_tokens < len(prompt):
                     req.prefix_table = table
                     return -1
                 table.release()
-            return len(longest_prefix(core.pool.find, prompt, bs, req.salt, max_blocks)[0])
+            return self.engine.blocks.cached_prefix(prompt, req.salt, max_blocks)
 
-        device_blocks = await self.engine.call(take_pin)
+        device_blocks = await self.engine.on_thread(take_pin)
         req.cached_disk_tokens = min(prefetched, max(device_blocks, 0) * bs)
         if device_blocks < 0 or disk is None or device_blocks >= max_blocks:
             return
@@ -196,13 +226,13 @@ class TurnRunner:
         if not tensors:
             return
 
-        def install(core: EngineCore) -> None:
-            table, loaded = install_blocks(core, prompt, req.salt, max_blocks, device_blocks, tensors,
-                                           req.request_id)
+        def install() -> None:
+            table, loaded = self.engine.blocks.install(prompt, req.salt, max_blocks, device_blocks, tensors,
+                                                       req.request_id)
             req.cached_disk_tokens += loaded
             req.prefix_table = table
 
-        await self.engine.call(install)
+        await self.engine.on_thread(install)
 
     async def _prefetched(self, state: SessionState) -> int:
         """Wait for the session's prefetch, if one runs; the tokens it brought back."""
@@ -218,104 +248,68 @@ class TurnRunner:
     def prefetch(self, state: SessionState) -> None:
         """Start bringing the session's history back from the disk tier (on `hello`): the reads
         overlap other sessions' compute, and its next turn finds the blocks in the pool."""
-        if self.m.disk is not None and state.tokens and state.prefetching is None and not state.turn_running:
+        if self.disk is not None and state.tokens and state.prefetching is None and not state.turn_running:
             state.prefetching = asyncio.create_task(self.load_history(state), name=f"prefetch-{state.id}")
 
     async def load_history(self, state: SessionState) -> int:
         """Install the session's full blocks missing from the pool, read from the disk tier, as
         cached-free blocks claimed by the session; returns how many tokens were installed."""
-        disk = self.m.disk
+        disk = self.disk
         assert disk is not None
         tokens = list(state.tokens)
-        bs = self.engine.core.pool.block_size
-        salt = self.engine.core.salt(state.scope_key)
+        bs = self.engine.block_size
+        salt = self.engine.salt(state.scope_key)
         max_blocks = len(tokens) // bs
 
-        def in_pool(core: EngineCore) -> int:
-            if state.id in self.m.pins:
+        def in_pool() -> int:
+            if state.id in self.pins:
                 return max_blocks
-            return len(longest_prefix(core.pool.find, tokens, bs, salt, max_blocks)[0])
+            return self.engine.blocks.cached_prefix(tokens, salt, max_blocks)
 
-        device_blocks = await self.engine.call(in_pool)
+        device_blocks = await self.engine.on_thread(in_pool)
         if device_blocks >= max_blocks:
             return 0
         tensors = await disk.load(chain_hashes(tokens, bs, salt)[device_blocks:max_blocks])
         if not tensors:
             return 0
 
-        def install(core: EngineCore) -> int:
-            table, loaded = install_blocks(core, tokens, salt, max_blocks, device_blocks, tensors,
-                                           f"prefetch:{state.id}")
-            core.pool.claim(state.id, table.block_ids, use=False)
+        def install() -> int:
+            blocks = self.engine.blocks
+            table, loaded = blocks.install(tokens, salt, max_blocks, device_blocks, tensors, f"prefetch:{state.id}")
+            blocks.claim(state.id, table.block_ids, use=False)
             table.release()
             return loaded
 
-        return await self.engine.call(install)
+        return await self.engine.on_thread(install)
 
     async def _finish(self, state: SessionState, frames: TurnFrames, req: Request, content: str, window: Window,
-                      final: RequestOutput | None, error: str | None, assistant_id: int) -> None:
-        if final is not None and final.outputs:
-            best = final.outputs[0]
-            reason = best.finish_reason
-            if reason == "cancelled":
-                reason = state.cancel_reason or "cancelled"
-            elif reason not in HISTORY_REASONS:
-                error = final.error or reason
-                reason = "error"
-            text, generated = best.text, best.token_ids
-        elif error is None and state.cancel_reason is not None:
-            reason, text, generated = state.cancel_reason, "", []  # cancelled before it started
-        else:
-            reason, text, generated = "error", "", []
+                      final: RequestOutput | None, error: ErrorCode | None, assistant_id: int) -> None:
+        """Classify how the turn ended, persist it, pin its table, and send its last frames."""
+        reason, error, text, generated = self._classify(state, final, error)
         # The history this turn makes, assigned only once the database has it.
         history: tuple[list[int], list[dict[str, str]]] | None = None
         if reason in HISTORY_REASONS:
             system = [{"role": "system", "content": state.system_prompt}] \
                 if state.system_prompt and not state.messages else []
-            history = (req.prompt + generated + self.m.template.close_answer(generated),
+            history = (req.prompt + generated + self.sessions.template.close_answer(generated),
                        system + state.messages + [{"role": "user", "content": content},
                                                   {"role": "assistant", "content": text}])
-        chain = history[0] if history is not None else state.tokens
-        window_start = window.window_start if history is not None else state.window_start
-        usage = final.usage if final is not None else None
-        timings = final.timings if final is not None else None
-        disk_tokens = usage.cached_disk_tokens if usage else 0
-        cached = usage.cached_tokens if usage else 0
-        stats = TurnStats(
-            prompt_tokens=len(req.prompt), cached_tokens=cached, cached_device_tokens=cached - disk_tokens,
-            cached_disk_tokens=disk_tokens, recomputed_tokens=len(req.prompt) - cached,
-            completion_tokens=usage.completion_tokens if usage else 0,
-            queue_ms=timings.queue_ms if timings else None, ttft_ms=timings.ttft_ms if timings else None,
-            total_ms=timings.total_ms if timings else None)
+        stats = turn_stats(req, final)
         alternatives = [o.text for o in final.outputs[1:]] if final is not None and len(final.outputs) > 1 else None
-        salt = self.engine.core.salt(state.scope_key)
-        bs = self.engine.core.pool.block_size
-        last_seq = state.next_seq + 1  # the done frame's number
-        saved = False
         try:
-            async with self.m.sessionmaker() as db, db.begin():
-                repos = Repos(db)
-                await self.m.leases.fence(repos, state.id)  # LeaseLost: another replica owns it now
-                await repos.turns.finish_turn(assistant_id, content=text, token_ids=generated,
-                                              finish_reason=reason, stats=stats, alternatives=alternatives)
-                await repos.chains.save_chain(state.id, chain, chain_hashes(chain, bs, salt), bs, len(chain),
-                                              window_start=window_start)
-                await repos.sessions.set_seq(state.id, last_seq)
-                await repos.sessions.touch(state.id)
+            await self._persist(state, assistant_id, reason, text, generated, stats, alternatives, history,
+                                window.window_start)
             saved = True
         except LeaseLost:
             log.error("session %s moved to another replica during a turn; the turn is not saved", state.id)
-            self.m.live.pop(state.id, None)  # stale here
-            error = "conflict"
+            self.sessions.live.pop(state.id, None)  # stale here
+            saved, error = False, ErrorCode.CONFLICT
         except Exception:  # locked, disk full, a failover: memory keeps the history the database has
             log.exception("the turn of session %s could not be saved", state.id)
-            reason, error = "error", "internal"
-        if saved and history is not None:
-            state.tokens, state.messages = history
-            state.window_start = window_start
-        self.m.metrics.record_request(reason, stats.prompt_tokens, stats.cached_device_tokens,
+            saved, reason, error = False, FinishReason.ERROR, ErrorCode.INTERNAL
+        self.metrics.record_request(reason, stats.prompt_tokens, stats.cached_device_tokens,
                                       stats.cached_disk_tokens, stats.queue_ms, stats.ttft_ms,
-                                      timings.inter_token_ms if timings else [])
+                                      final.timings.inter_token_ms if final is not None and final.timings else [])
         log_turn(tenant_id=state.tenant_id, session_id=state.id, request_id=req.request_id,
                  prompt_tokens=stats.prompt_tokens, cached_device=stats.cached_device_tokens,
                  cached_disk=stats.cached_disk_tokens, ttft_ms=stats.ttft_ms,
@@ -326,40 +320,70 @@ class TurnRunner:
             self._notify(frames, reason, error, stats, window.window_start)
 
     @staticmethod
-    def _notify(frames: TurnFrames, reason: str, error: str | None, stats: TurnStats, truncated: int) -> None:
+    def _classify(state: SessionState, final: RequestOutput | None,
+                  error: ErrorCode | None) -> tuple[FinishReason, ErrorCode | None, str, list[int]]:
+        """How the turn ended: its finish reason, its error code if it failed, and the best answer's
+        text and token ids. A cancelled turn ends with the reason its cancel gave."""
+        if final is not None and final.outputs:
+            best = final.outputs[0]
+            reason = best.finish_reason
+            if reason == FinishReason.CANCELLED:
+                reason = state.cancel_reason or FinishReason.CANCELLED
+            elif reason not in HISTORY_REASONS:
+                error = final.error_code or ErrorCode.INTERNAL
+                reason = FinishReason.ERROR
+            return reason, error, best.text, best.token_ids
+        if error is None and state.cancel_reason is not None:
+            return state.cancel_reason, None, "", []  # cancelled before it started
+        return FinishReason.ERROR, error, "", []
+
+    async def _persist(self, state: SessionState, assistant_id: int, reason: FinishReason, text: str,
+                       generated: list[int], stats: TurnStats, alternatives: list[str] | None,
+                       history: tuple[list[int], list[dict[str, str]]] | None, window_start: int) -> None:
+        """Write the turn, the session's chain and the done frame's number in one transaction (under
+        the session's lease: `LeaseLost` if another replica owns it now), then, if the turn joins
+        the history, take that history into memory."""
+        chain = history[0] if history is not None else state.tokens
+        window_start = window_start if history is not None else state.window_start
+        async with self.sessions.sessionmaker() as db, db.begin():
+            repos = Repos(db)
+            await self.sessions.leases.fence(repos, state.id)
+            await repos.turns.finish_turn(assistant_id, content=text, token_ids=generated,
+                                          finish_reason=reason, stats=stats, alternatives=alternatives)
+            await self.sessions.save_chain(repos, state, chain, window_start)
+            await repos.sessions.set_seq(state.id, state.next_seq + 1)  # the done frame's number
+            await repos.sessions.touch(state.id)
+        if history is not None:
+            state.tokens, state.messages = history
+            state.window_start = window_start
+
+    @staticmethod
+    def _notify(frames: TurnFrames, reason: FinishReason, error: ErrorCode | None, stats: TurnStats,
+                truncated: int) -> None:
         """The turn's last frames: `error` if it failed, then always `done`."""
         if error is not None:
-            code = "busy" if "max_queue_wait_s" in (error or "") or error == "busy" else "internal"
-            code = "conflict" if error == "conflict" else code
-            frames.emit_error(code, "no capacity right now, try again" if code == "busy" else "the turn failed")
-        frames.emit({
-            "type": "done", "finish_reason": reason,
-            "usage": {"prompt_tokens": stats.prompt_tokens, "cached_tokens": stats.cached_tokens,
-                      "completion_tokens": stats.completion_tokens,
-                      "cached_device_tokens": stats.cached_device_tokens,
-                      "cached_disk_tokens": stats.cached_disk_tokens,
-                      "recomputed_tokens": stats.recomputed_tokens, "truncated_turns": truncated},
-            "timing": {"queue_ms": stats.queue_ms, "ttft_ms": stats.ttft_ms, "total_ms": stats.total_ms},
-        })
+            code = error if error in (ErrorCode.BUSY, ErrorCode.CONFLICT) else ErrorCode.INTERNAL
+            frames.emit_error(code, "no capacity right now, try again" if code == ErrorCode.BUSY else "the turn failed")
+        frames.emit(done_frame(reason, stats, truncated))
 
     async def _pin(self, state: SessionState, req: Request, *, keep: bool) -> None:
         """The finished request's table becomes the session's pin, and its new full blocks go to
         disk; unless the turn is not `keep` (not saved) or the session is gone: then it is released."""
-        disk = self.m.disk
+        disk = self.disk
 
-        def pin(core: EngineCore) -> list[bytes]:
+        def pin() -> list[bytes]:
             table = req.kept_table
             req.kept_table = None
             if table is None or table.released:
                 return []
-            if not keep or state.id not in self.m.live:
+            if not keep or state.id not in self.sessions.live:
                 table.release()
                 return []
-            self.m.pins.pin(state.id, table)
-            core.pool.claim(state.id, table.block_ids)
+            self.pins.pin(state.id, table)
+            self.engine.blocks.claim(state.id, table.block_ids)
             return list(table.hashes)
 
-        hashes = await self.engine.call(pin)
+        hashes = await self.engine.on_thread(pin)
         if disk is None or not hashes:
             return
         disk.claim(state.id, hashes)
@@ -368,44 +392,28 @@ class TurnRunner:
         task.add_done_callback(self.background.discard)
 
     async def _write_through(self, hashes: list[bytes]) -> None:
-        disk = self.m.disk
+        disk = self.disk
         assert disk is not None
         try:
             todo = await disk.filter_unknown(hashes)
             if not todo:
                 return
 
-            def read(core: EngineCore) -> list[tuple[bytes, object]]:
-                out = []
-                for block_hash in todo:
-                    block_id = core.pool.index.get(block_hash)
-                    if block_id is not None and core.pool.blocks[block_id].hash == block_hash:
-                        out.append((block_hash, core.kv.read_block(block_id)))
-                return out
-
-            await disk.save(await self.engine.call(read))  # type: ignore[arg-type]
+            await disk.save(await self.engine.on_thread(lambda: self.engine.blocks.read(todo)))
         except Exception:
             log.exception("disk tier write failed")
 
 
-def install_blocks(core: EngineCore, tokens: list[int], salt: bytes, max_blocks: int, device_blocks: int,
-                   tensors: list[torch.Tensor], owner: str) -> tuple[BlockTable, int]:
-    """On the engine thread: a table over the pool's longest prefix of `tokens`, extended by the
-    blocks read from disk (which start at block `device_blocks`); returns it and the tokens
-    written from disk. Stops short, rather than evict, when the pool is below its low watermark."""
-    bs = core.pool.block_size
-    ids, found = longest_prefix(core.pool.find, tokens, bs, salt, max_blocks)
-    skip = len(ids) - device_blocks
-    usable = tensors[skip:] if skip >= 0 else []
-    table = BlockTable.from_prefix(core.pool, ids, found, owner=owner)
-    if not usable or not core.pool.can_admit(len(usable)):
-        return table, 0
-    try:
-        table.append_slots(len(usable) * bs)
-        for j, tensor in enumerate(usable):
-            core.kv.write_block(table.block_ids[len(ids) + j], tensor)
-        table.commit(tokens, (len(ids) + len(usable)) * bs, salt)
-    except BaseException:
-        table.release()  # a block file of the wrong shape, say: nothing may stay referenced
-        raise
-    return table, len(usable) * bs
+
+def turn_stats(req: Request, final: RequestOutput | None) -> TurnStats:
+    """How the turn was served, from the engine's final output (zeros for a turn that never ran)."""
+    usage = final.usage if final is not None else None
+    timings = final.timings if final is not None else None
+    disk_tokens = usage.cached_disk_tokens if usage else 0
+    cached = usage.cached_tokens if usage else 0
+    return TurnStats(
+        prompt_tokens=len(req.prompt), cached_tokens=cached, cached_device_tokens=cached - disk_tokens,
+        cached_disk_tokens=disk_tokens, recomputed_tokens=len(req.prompt) - cached,
+        completion_tokens=usage.completion_tokens if usage else 0,
+        queue_ms=timings.queue_ms if timings else None, ttft_ms=timings.ttft_ms if timings else None,
+        total_ms=timings.total_ms if timings else None)

@@ -46,7 +46,6 @@ NAMING_CONVENTION = {
 
 SessionState = Literal["hot", "warm", "cold"]
 Role = Literal["system", "user", "assistant"]
-FinishReason = Literal["stop", "length", "cancelled", "disconnected", "error", "interrupted"]
 
 SESSION_STATES: tuple[str, ...] = get_args(SessionState)
 ROLES: tuple[str, ...] = get_args(Role)

@@ -18,6 +18,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import and_, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from chatcore.outcomes import FinishReason
 from chatcore.store.models import ChatSession, Turn
 from chatcore.store.types import utcnow
 
@@ -113,7 +114,7 @@ class LeaseRepo:
             update(Turn)
             .where(Turn.role == "assistant", Turn.finish_reason.is_(None),
                    Turn.session_id.in_(select(ChatSession.id).where(orphaned)))
-            .values(finish_reason="interrupted")
+            .values(finish_reason=FinishReason.INTERRUPTED)
             .execution_options(synchronize_session=False))
         return result.rowcount
 

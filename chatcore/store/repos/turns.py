@@ -8,7 +8,8 @@ from dataclasses import asdict, dataclass
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from chatcore.store.models import ROLES, FinishReason, Role, Turn
+from chatcore.outcomes import FinishReason
+from chatcore.store.models import ROLES, Role, Turn
 from chatcore.store.packing import pack_ids
 
 
@@ -101,5 +102,5 @@ class TurnRepo:
         query = update(Turn).where(Turn.role == "assistant", Turn.finish_reason.is_(None))
         if session_id is not None:
             query = query.where(Turn.session_id == session_id)
-        result = await self.db.execute(query.values(finish_reason="interrupted"))
+        result = await self.db.execute(query.values(finish_reason=FinishReason.INTERRUPTED))
         return result.rowcount
