@@ -190,38 +190,46 @@ class EngineCore:
             seq.num_computed = entry.start + entry.num_tokens
             assert seq.table is not None
             seq.table.commit(seq.tokens, seq.num_computed, entry.req.salt)
-        self._sample(plan, entries, logits, outputs)
+        rows, groups = self._sampling_rows(entries)
+        self._sample(entries, rows, groups, logits, outputs)
         for hook in self.on_step:
             hook(plan)
         if self.settings.debug_audit:
             audit(self.pool).raise_if_bad()
         return list(outputs.values())
 
-    def _sample(self, plan: StepPlan, entries: list[ScheduledSeq], logits: torch.Tensor,
-                outputs: dict[str, RequestOutput]) -> None:
-        """Choose every sampling row's token on the device (`StepChoices`), then bring all choices,
-        their log-probs and beam search's candidates to the host in the step's one download."""
+    def _sampling_rows(self, entries: list[ScheduledSeq]) -> tuple[dict[TokenSequence, int],
+                                                                   list[list[ScheduledSeq]]]:
+        """The row of the step's logits each sampling sequence reads, and the sampling entries by
+        request. A request with n > 1 whose prompt was just computed forks here (`_fork`): its
+        other samples join its group and read the first sample's row."""
         rows: dict[TokenSequence, int] = {}
-        for entry in entries:
-            if entry.samples:
-                rows[entry.seq] = len(rows)
         by_request: dict[str, list[ScheduledSeq]] = {}
         for entry in entries:
             if entry.samples:
+                rows[entry.seq] = len(rows)
                 by_request.setdefault(entry.req.request_id, []).append(entry)
-        now = time.monotonic()
-        plain: list[tuple[Request, TokenSequence, int]] = []
-        beams: list[tuple[Request, list[int]]] = []
         for group in by_request.values():
             req = group[0].req
-            if req.params.beam_width > 1:
-                beams.append((req, [rows[e.seq] for e in group]))
-                continue
-            if not req.forked:
+            if req.params.beam_width == 1 and not req.forked:
                 forks = self._fork(req)
                 rows.update({f.seq: rows[req.seqs[0]] for f in forks})
                 group += forks
-            plain.extend((req, entry.seq, rows[entry.seq]) for entry in group)
+        return rows, list(by_request.values())
+
+    def _sample(self, entries: list[ScheduledSeq], rows: dict[TokenSequence, int],
+                groups: list[list[ScheduledSeq]], logits: torch.Tensor, outputs: dict[str, RequestOutput]) -> None:
+        """Choose every sampling row's token on the device (`StepChoices`), then bring all choices,
+        their log-probs and beam search's candidates to the host in the step's one download."""
+        now = time.monotonic()
+        plain: list[tuple[Request, TokenSequence, int]] = []
+        beams: list[tuple[Request, list[int]]] = []
+        for group in groups:
+            req = group[0].req
+            if req.params.beam_width > 1:
+                beams.append((req, [rows[e.seq] for e in group]))
+            else:
+                plain.extend((req, entry.seq, rows[entry.seq]) for entry in group)
         constrained = [(seq, row) for _, seq, row in plain if self.grammars.constrained(seq)]
         if constrained:  # before anything reads the logits: the grammar's -inf rule them all
             bitmask = self.runner.transfers.upload_bitmask(self.grammars.masks(constrained, logits.shape[0]))
