@@ -221,7 +221,7 @@ def test_bad_session_bodies_get_bad_request(live_server) -> None:
 
 async def test_frame_size_limit(limits) -> None:
     async with limits.connect() as ws:
-        big_but_fine = json.dumps({"type": "ping", "pad": "x" * (FRAME_LIMIT - 100)})
+        big_but_fine = '{"type": "ping"' + " " * (FRAME_LIMIT - 100) + "}"  # a ping has no field to pad
         assert len(big_but_fine) <= FRAME_LIMIT
         await ws.send(big_but_fine)
         assert json.loads(await ws.recv()) == {"type": "pong"}
