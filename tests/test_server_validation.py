@@ -89,6 +89,14 @@ def test_an_unknown_field_is_refused_by_name(live_server, method: str, path: str
      "messages[0].role: Invalid enum value 'robot'"),
     ({"store": True}, "unsupported_parameter",
      "store is not supported by this server; leave it out (or send store: null)"),
+    ({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, "unsupported_parameter",
+     "messages[0].name is not supported by this server on user messages; leave it out"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_call_id": "c1"}]}, "unsupported_parameter",
+     "messages[0].tool_call_id is not supported by this server on user messages; leave it out"),
+    ({"messages": [*HI, {"role": "assistant", "content": "no", "refusal": "no"}, *HI]}, "unsupported_parameter",
+     "messages[1].refusal is not supported by this server on assistant messages; leave it out"),
+    ({"messages": [{"role": "user", "content": "hi", "mood": "happy"}]}, "bad_request",
+     "messages[0]: Object contains unknown field `mood`"),
 ])
 def test_a_bad_chat_completion_field_gets_the_documented_error_body(live_server, body: dict[str, Any], code: str,
                                                                      message: str) -> None:
@@ -116,3 +124,13 @@ async def test_a_frame_with_a_bad_field_type_gets_an_error_frame_and_the_socket_
             assert "unknown field" in answer["message"] and list(frame)[-1] in answer["message"], answer
         await ws.send(json.dumps({"type": "ping"}))
         assert json.loads(await ws.recv()) == {"type": "pong"}
+
+
+@pytest.mark.model
+def test_an_assistant_message_sent_back_as_received_is_taken(live_server) -> None:
+    """What the official client's `message.model_dump()` holds: its empty fields ask for nothing."""
+    echoed = {"role": "assistant", "content": "Hello!", "refusal": None, "annotations": [], "audio": None,
+              "function_call": None, "tool_calls": None}
+    status, answer = live_server.request("POST", "/v1/chat/completions",
+                                         {"messages": [*HI, echoed, *HI], "max_tokens": 1})
+    assert status == 200 and answer["usage"]["prompt_tokens"] > 0, answer

@@ -27,14 +27,21 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-class ChatMessage(msgspec.Struct):
-    """A chat message; other OpenAI message fields (`name`, ...) are ignored, as the chat template has no place
-    for them."""
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    """A chat message. OpenAI's other message fields are declared so that a client may send back the
+    assistant messages it received (with `refusal`, `audio`, `function_call` null and `annotations`
+    empty); any of them that asks for something the chat template cannot render, `name` included, is
+    refused by name (`openai_routes.parse_messages`)."""
 
     role: Role
     content: str | Annotated[list[dict[str, Any]], Meta(description="text parts")] | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    name: str | None = None
+    refusal: str | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+    annotations: list[dict[str, Any]] | None = None
 
 
 class FunctionName(msgspec.Struct):

@@ -82,7 +82,8 @@ def parse_messages(raw: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages for the chat template. An assistant message may carry `tool_calls` (then its content
     may be null), and a `tool` message answers one by its `tool_call_id`."""
     out: list[dict[str, Any]] = []
-    for item in raw:
+    for i, item in enumerate(raw):
+        _refuse_unrenderable(i, item)
         role = "system" if item.role == "developer" else item.role
         if role == "assistant" and item.tool_calls is not None:
             content = "" if item.content is None else _text(item.content)
@@ -94,6 +95,19 @@ def parse_messages(raw: list[ChatMessage]) -> list[dict[str, Any]]:
         else:
             out.append({"role": role, "content": _text(item.content)})
     return out
+
+
+def _refuse_unrenderable(index: int, item: ChatMessage) -> None:
+    """A message field the chat template has no place for, unless it asks for nothing."""
+    unrenderable = {"name": item.name is not None, "refusal": item.refusal is not None,
+                    "audio": item.audio is not None, "function_call": item.function_call is not None,
+                    "annotations": bool(item.annotations),
+                    "tool_calls": item.tool_calls is not None and item.role != "assistant",
+                    "tool_call_id": item.tool_call_id is not None and item.role != "tool"}
+    for field, refused in unrenderable.items():
+        if refused:
+            raise ApiError("unsupported_parameter", f"messages[{index}].{field} is not supported by this server "
+                                                    f"on {item.role} messages; leave it out")
 
 
 def uses_tools(messages: list[dict[str, Any]]) -> bool:
