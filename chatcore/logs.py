@@ -38,12 +38,14 @@ UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
 
 
 def configure_logging(log_format: LogFormat, stream: TextIO | None = None) -> None:
-    """The root logger at INFO, writing `log_format` lines to `stream` (default stderr). uvicorn's loggers
-    lose any handlers of their own (a uvicorn configured earlier in the process leaves some) and
-    propagate to it; uvicorn is then started with no logging configuration (`log_config=None`)."""
+    """The root logger at INFO, writing `log_format` lines to `stream` (default stderr), Python warnings
+    included. uvicorn's loggers lose any handlers of their own (a uvicorn configured earlier in the
+    process leaves some) and propagate to it; uvicorn is then started with no logging configuration
+    (`log_config=None`)."""
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    logging.captureWarnings(True)  # Python warnings become `py.warnings` records in the same format
     for name in UVICORN_LOGGERS:
         logger = logging.getLogger(name)
         logger.handlers.clear()

@@ -65,9 +65,19 @@ def test_a_json_server_logs_only_json_lines(tmp_path) -> None:
         assert status == 200, body
     finally:
         server.stop()
-    records = [json.loads(line) for line in server.log().splitlines() if line.strip()]  # each line parses
+    lines = [line for line in server.log().splitlines() if line.strip()]
+    assert lines and not [line for line in lines if not _is_json(line)], [line for line in lines if not _is_json(line)]
+    records = [json.loads(line) for line in lines]
     loggers = {r["logger"] for r in records}
     assert {"uvicorn.error", "uvicorn.access", "chatcore.turns"} <= loggers, loggers
     turn = next(r for r in records if r["logger"] == "chatcore.turns")
     assert turn["prompt_tokens"] == body["usage"]["prompt_tokens"] and turn["generated"] == 2
     assert turn["session"] is None and turn["finish_reason"] == "length" and turn["request_id"]
+
+
+def _is_json(line: str) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
