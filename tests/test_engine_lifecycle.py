@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from contextlib import aclosing
 
 import pytest
 import torch
 
 from chatcore.cache import audit
-from chatcore.engine.engine import InferenceEngine
-from chatcore.engine.request import RequestState, SamplingParams
+from chatcore.engine.engine import EngineStopped, InferenceEngine
 from chatcore.engine.errors import RequestRejected
+from chatcore.engine.request import RequestState, SamplingParams
 from tests.engine_helpers import LONG_SYSTEM, QUESTIONS, chat_ids, run_to_end
 
 pytestmark = pytest.mark.model
@@ -239,3 +240,29 @@ def test_a_full_waiting_queue_refuses_with_queue_full_and_keeps_nothing(make_cor
         core.step()
     report = audit(core.pool)
     assert report.ok and report.used == 0, report.format()
+
+
+async def test_a_command_queued_as_the_engine_stops_still_runs(make_core, loaded_fp32) -> None:
+    """A command that reaches the queue after the loop's last drain runs before the thread ends
+    (before, its caller waited until something else cancelled it); one after shutdown is refused."""
+    engine = InferenceEngine(make_core())
+    in_housekeeping, release = threading.Event(), threading.Event()
+    engine.housekeeping.append(lambda: (in_housekeeping.set(), release.wait()))
+    engine.start()
+    try:
+        await asyncio.to_thread(in_housekeeping.wait)  # the thread is past this round's drain
+        stats = asyncio.create_task(engine.stats())
+        while engine._commands.empty():  # the task's first step queues its command
+            await asyncio.sleep(0)
+        stopping = asyncio.create_task(asyncio.to_thread(engine.shutdown))
+        while not engine._stopping:
+            await asyncio.sleep(0)
+        release.set()
+        counted = await asyncio.wait_for(stats, timeout=30)
+        await stopping
+        assert counted == engine.core.pool.stats() and counted.total == engine.core.pool.num_blocks
+        with pytest.raises(EngineStopped):
+            await engine.stats()
+    finally:
+        release.set()
+        engine.shutdown()

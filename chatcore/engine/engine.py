@@ -13,6 +13,7 @@ request, so its blocks are always released.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -76,6 +77,9 @@ class InferenceEngine:
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
+        # Guards `_stopping` against `_submit`: once it is set, no command enters the queue, and the
+        # thread runs every command queued before it (the last drain), so no caller waits forever.
+        self._submit_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="chatcore-engine", daemon=True)
         self.housekeeping: list[Callable[[], None]] = []
 
@@ -97,7 +101,8 @@ class InferenceEngine:
         self._thread.start()
 
     def shutdown(self) -> None:
-        self._stopping = True
+        with self._submit_lock:
+            self._stopping = True
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
@@ -123,6 +128,12 @@ class InferenceEngine:
             except Exception as exc:  # never let one bad step kill the server
                 log.exception("engine loop error")
                 self._fail_all(exc)
+        while True:  # run what was queued after the loop's last drain
+            try:
+                self._drain_commands()
+                break
+            except Exception:
+                log.exception("engine command failed at shutdown")
         self._fail_all(EngineStopped("the engine is shutting down"))
 
     def _drain_commands(self) -> None:
@@ -154,9 +165,10 @@ class InferenceEngine:
             stream.put(exc)
 
     def _submit(self, command: Callable[[], None]) -> None:
-        if self._stopping:
-            raise EngineStopped("the engine is shutting down")
-        self._commands.put(command)
+        with self._submit_lock:
+            if self._stopping:
+                raise EngineStopped("the engine is shutting down")
+            self._commands.put(command)
         self._wake.set()
 
     # ----- the async API ---------------------------------------------------------------------
@@ -213,8 +225,9 @@ class InferenceEngine:
                 if finished:
                     return
         finally:
-            if not finished and not self._stopping:
-                self._submit(lambda: self._abort_now(request.request_id))
+            if not finished:
+                with contextlib.suppress(EngineStopped):  # a stopping engine fails every request itself
+                    self._submit(lambda: self._abort_now(request.request_id))
 
     def _abort_now(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
