@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# `make test` runs the test files on this many pytest-xdist workers, a file's tests on one worker
+# (so module and session fixtures are shared as in a plain run); 0 runs them in this process.
+TEST_WORKERS ?= 2
 # The torch to install. On a GPU machine, a CUDA build, e.g.
 # make gpu-check TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 TORCH ?= torch==2.13.0
@@ -48,7 +51,7 @@ serve: setup
 	$(VENV)/bin/chatcore serve
 
 test: setup chromium services
-	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing on purpose"; exit 1; fi; \
 	exit $$rc
 

@@ -1,7 +1,7 @@
 """One tiny `chatcore bench --suite all --quick` run (CHATCORE_BENCH_TINY=1), shared by the tests of
-the harness (tests/test_bench.py) and of the sessions suite (tests/test_bench_sessions.py): the
-run starts real servers and costs about two minutes, so the suite makes it once.
-(A pytest plugin of tests/conftest.py.)"""
+tests/test_bench.py: the run starts real servers and costs about two minutes, so the suite makes
+it once. Its users stay in that one file: `make test` runs pytest-xdist with `--dist loadfile`,
+and a session fixture is made once per worker that needs it. (A pytest plugin of tests/conftest.py.)"""
 
 from __future__ import annotations
 

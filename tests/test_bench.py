@@ -153,3 +153,36 @@ def _read(fd: int) -> bytes:
         return os.read(fd, 65536)
     except OSError:  # EIO: the terminal's last writer closed it
         return b""
+
+
+@pytest.mark.model
+def test_sessions_suite_tiny(bench_all_quick_tiny: BenchRun) -> None:
+    """The sessions suite of the shared tiny `--suite all --quick` run: 3 sessions x 3 turns, and
+    the overflow run's 6 sessions."""
+    suite = bench_all_quick_tiny.results["suites"]["sessions"]
+    assert "error" not in suite, suite.get("error")
+    assert set(suite["runs"]) == {"3x3", "overflow"}
+    for name, run in suite["runs"].items():
+        first, last = run["per_turn"][0], run["per_turn"][-1]
+        assert len(run["per_turn"]) == 3 and first["ttft_median_ms"] > 0 and last["ttft_p90_ms"] > 0
+        for turn in run["per_turn"]:
+            cached = turn["mean_cached_device_tokens"] + turn["mean_cached_disk_tokens"]
+            assert cached + turn["mean_recomputed_tokens"] == pytest.approx(turn["mean_prompt_tokens"])
+        assert last["mean_cached_device_tokens"] + last["mean_cached_disk_tokens"] > 0, name
+        assert last["mean_prompt_tokens"] > first["mean_prompt_tokens"]
+        cold = run["cold"]  # three probes before the trace, three after; the ratio uses the faster median
+        assert len(cold["probes"]) == 6 and cold["ttft_ms"] == min(cold["before_ms"], cold["after_ms"]) > 0
+        for probe in run["cold"]["probes"]:  # the final turn's length, nothing past the shared template prefix
+            assert abs(probe["prompt_tokens"] - last["mean_prompt_tokens"]) <= 2
+            assert probe["cached_tokens"] < first["mean_prompt_tokens"]
+        assert run["final_over_cold"] > 0
+        replayed = run["replay"]
+        assert set(replayed["policies"]) >= {"lru", "cost", "belady", "one_slot"}
+        assert replayed["prompt_tokens"] == pytest.approx(replayed["prompt_tokens_live"], rel=0.02)
+        assert all(0 <= p["hit_rate"] < 1 for p in replayed["policies"].values())
+    overflow = suite["runs"]["overflow"]
+    assert overflow["settings"]["num_blocks"] == overflow["device_blocks"] == overflow["server_tiers"]["device"]["blocks"]
+    assert overflow["disk_blocks"] > 0 and overflow["working_set_over_tiers"] > 1
+    assert len(suite["targets"]) == 4
+    assert (bench_all_quick_tiny.out / "sessions.png").stat().st_size > 1000
+    assert "| overflow (6 x 3) |" in (bench_all_quick_tiny.out / "table.md").read_text()

@@ -1,6 +1,5 @@
-"""The sessions suite: its offline replay on hand-made traces, its overflow sizing, and the sessions suite
-of the shared tiny `chatcore bench --suite all --quick` run, through real servers (CHATCORE_BENCH_TINY=1: the numbers
-mean nothing, only the shape and the sanity of the output are checked)."""
+"""The sessions suite: its offline replay on hand-made traces and its overflow sizing (its run
+through real servers is checked in tests/test_bench.py, on the shared tiny bench run)."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ import pytest
 
 from bench.replay import Request, belady_hits, one_slot_hits, pool_hits, replay
 from bench.sessions import OVERFLOW, overflow_tiers
-from tests.bench_fixtures import BenchRun
 
 BS = 4
 
@@ -63,36 +61,3 @@ def test_overflow_tiers_hold_two_thirds_of_the_working_set() -> None:
     assert sizing["device_blocks"] + sizing["disk_blocks"] == round(sizing["working_set_blocks"] / OVERFLOW)
     assert sizing["device_blocks"] >= 2 * -(-610 // 16) and sizing["device_blocks"] < sizing["disk_blocks"]
     assert sizing["disk_bytes"] == sizing["disk_blocks"] * 16 * 1000
-
-
-@pytest.mark.model
-def test_sessions_suite_tiny(bench_all_quick_tiny: BenchRun) -> None:
-    """The sessions suite of the shared tiny `--suite all --quick` run: 3 sessions x 3 turns, and
-    the overflow run's 6 sessions."""
-    suite = bench_all_quick_tiny.results["suites"]["sessions"]
-    assert "error" not in suite, suite.get("error")
-    assert set(suite["runs"]) == {"3x3", "overflow"}
-    for name, run in suite["runs"].items():
-        first, last = run["per_turn"][0], run["per_turn"][-1]
-        assert len(run["per_turn"]) == 3 and first["ttft_median_ms"] > 0 and last["ttft_p90_ms"] > 0
-        for turn in run["per_turn"]:
-            cached = turn["mean_cached_device_tokens"] + turn["mean_cached_disk_tokens"]
-            assert cached + turn["mean_recomputed_tokens"] == pytest.approx(turn["mean_prompt_tokens"])
-        assert last["mean_cached_device_tokens"] + last["mean_cached_disk_tokens"] > 0, name
-        assert last["mean_prompt_tokens"] > first["mean_prompt_tokens"]
-        cold = run["cold"]  # three probes before the trace, three after; the ratio uses the faster median
-        assert len(cold["probes"]) == 6 and cold["ttft_ms"] == min(cold["before_ms"], cold["after_ms"]) > 0
-        for probe in run["cold"]["probes"]:  # the final turn's length, nothing past the shared template prefix
-            assert abs(probe["prompt_tokens"] - last["mean_prompt_tokens"]) <= 2
-            assert probe["cached_tokens"] < first["mean_prompt_tokens"]
-        assert run["final_over_cold"] > 0
-        replayed = run["replay"]
-        assert set(replayed["policies"]) >= {"lru", "cost", "belady", "one_slot"}
-        assert replayed["prompt_tokens"] == pytest.approx(replayed["prompt_tokens_live"], rel=0.02)
-        assert all(0 <= p["hit_rate"] < 1 for p in replayed["policies"].values())
-    overflow = suite["runs"]["overflow"]
-    assert overflow["settings"]["num_blocks"] == overflow["device_blocks"] == overflow["server_tiers"]["device"]["blocks"]
-    assert overflow["disk_blocks"] > 0 and overflow["working_set_over_tiers"] > 1
-    assert len(suite["targets"]) == 4
-    assert (bench_all_quick_tiny.out / "sessions.png").stat().st_size > 1000
-    assert "| overflow (6 x 3) |" in (bench_all_quick_tiny.out / "table.md").read_text()
