@@ -116,7 +116,12 @@ def hf_static(model: Any, prompts: list[list[int]], max_new_tokens: int, pad_tok
 @torch.inference_mode()
 def hf_continuous(model: Any, prompts: list[list[int]], max_new_tokens: int, *, page_size: int = 32,
                   num_blocks: int = 512, max_batch_tokens: int = 512, sharing: bool = True) -> BatchRun:
-    """transformers' continuous batching (`generate_batch`), with prefix sharing where it supports it."""
+    """transformers' continuous batching, with prefix sharing where it supports it.
+
+    `generate_batch` allocates its paged cache inside the call; here the manager and its cache
+    are built (`warmup` creates the batch processor) before the timer starts, as chatcore's pool
+    is, and the timer covers handing the requests over to the last result. The prompt tokens its
+    prefix cache matched are counted (`cached_tokens`)."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     config = greedy_config(model, max_new_tokens)
@@ -127,20 +132,37 @@ def hf_continuous(model: Any, prompts: list[list[int]], max_new_tokens: int, *, 
     cb_logger = logging.getLogger("ContinuousBatchingLogger")
     level = cb_logger.level
     cb_logger.setLevel(logging.ERROR)
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb)
     try:
-        t0 = time.perf_counter()
-        t0_cb = time.perf_counter()  # transformers stamps with perf_counter too
-        out = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb,
-                                   record_timestamps=True, max_new_tokens=max_new_tokens)
+        manager.warmup()
+        cache = manager.batch_processor.cache
+        matched = []
+        search = cache.search_prefix_match
+
+        def counted(request_id: str, prompt_ids: list[int]) -> int:
+            matched.append(search(request_id, prompt_ids))
+            return matched[-1]
+
+        cache.search_prefix_match = counted
+        manager.start()
+        results = {}
+        t0 = time.perf_counter()  # transformers stamps with perf_counter too
+        manager.add_requests(inputs=prompts, max_new_tokens=max_new_tokens, record_timestamps=True)
+        while len(results) < len(prompts) and manager.is_running():
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
         wall = time.perf_counter() - t0
     finally:
+        manager.stop(block=True, timeout=60)
+        manager.destroy()
         cb_logger.setLevel(level)
-    results = list(out.values())
-    errors = [r.error for r in results if r.error]
+    errors = [r.error for r in results.values() if r.error]
     if errors or len(results) != len(prompts):
-        raise RuntimeError(f"generate_batch failed: {errors[:2]} ({len(results)} of {len(prompts)} results)")
+        raise RuntimeError(f"continuous batching failed: {errors[:2]} ({len(results)} of {len(prompts)} results)")
+    results = list(results.values())
     tokens = sum(len(r.generated_tokens) for r in results)
-    ttft = [r.timestamps[0] - t0_cb for r in results if r.timestamps]
+    ttft = [r.timestamps[0] - t0 for r in results if r.timestamps]
     firsts = [r.timestamps[0] for r in results if r.timestamps]
     lasts = [r.timestamps[-1] for r in results if r.timestamps]
     decode = None
@@ -149,6 +171,6 @@ def hf_continuous(model: Any, prompts: list[list[int]], max_new_tokens: int, *, 
         lo, hi = max(firsts), min(lasts)
         inside = sum(1 for r in results for t in (r.timestamps or []) if lo < t <= hi)
         decode = inside / (hi - lo)
-    return BatchRun(wall, tokens, ttft, decode_tok_s=decode,
+    return BatchRun(wall, tokens, ttft, decode_tok_s=decode, cached_tokens=sum(matched),
                     note=f"page {page_size}, {num_blocks} blocks, max {max_batch_tokens} tokens/batch, "
                          f"sharing {'on' if sharing else 'off'}")

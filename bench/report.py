@@ -51,8 +51,8 @@ def markdown_table(data: dict[str, Any]) -> str:
     suites = data.get("suites", {})
     thr = suites.get("throughput", {}).get("systems")
     if thr:
-        lines += ["", "| system (throughput suite) | output tok/s | mean TTFT from arrival (s) | decode tok/s |",
-                  "|---|---|---|---|"]
+        lines += ["", ("| system (throughput suite) | output tok/s | mean TTFT from arrival (s) | decode tok/s | "
+                       "prompt tokens from its prefix cache |"), "|---|---|---|---|---|"]
         names = {"chatcore": "chatcore (in-process engine), prefix sharing",
                  "chatcore_no_sharing": "chatcore, each request in its own cache scope (no sharing)",
                  "hf_sequential": "transformers `generate`, one at a time",
@@ -60,8 +60,10 @@ def markdown_table(data: dict[str, Any]) -> str:
                  "hf_generate_batch": "transformers `generate_batch` (CB, sharing)"}
         for key, label in names.items():
             s = thr.get(key, {})
+            cached = _num(s["cached_tokens"]) if key in ("chatcore", "chatcore_no_sharing", "hf_generate_batch") \
+                and "cached_tokens" in s else "n/a"
             lines.append(f"| {label} | {_num(s.get('tok_s'))} | {_num(s.get('ttft_mean_s'))} | "
-                         f"{_num(s.get('decode_tok_s'))} |")
+                         f"{_num(s.get('decode_tok_s'))} | {cached} |")
         share = suites["throughput"].get("shared_fraction")
         if share is not None:
             lines.append(f"\nWorkload: {len(suites['throughput'].get('prompt_tokens', []))} chats; "

@@ -95,6 +95,7 @@ def test_bench_all_quick_tiny(bench_all_quick_tiny: BenchRun) -> None:
     throughput = suites["throughput"]
     assert throughput["systems"]["chatcore_no_sharing"]["cached_tokens"] == 0 < throughput["systems"]["chatcore"]["cached_tokens"]
     assert 0 < throughput["shared_fraction"] < 1 and "Decode efficiency" in table and "no sharing" in table
+    assert "prompt tokens from its prefix cache |" in table and throughput["systems"]["hf_generate_batch"]["cached_tokens"] >= 0
     assert suites["resume"]["rows"][0]["disk_cached_disk_tokens"] > 0
 
 
