@@ -1,5 +1,5 @@
 """Prefill attention over paged blocks: every path (a chunk that starts its sequence, one that
-continues cached tokens, on the CPU's continuation path or with a shifted mask, several chunks
+continues cached tokens, through the CPU's cascade or with a shifted mask, several chunks
 packed in one step) equals one masked attention over the sequence's gathered blocks."""
 
 from __future__ import annotations
@@ -47,12 +47,11 @@ def test_continuation_equals_one_masked_attention(start: int, tokens: int, heads
     q, kc, vc, table, meta = _case(start, tokens, heads, kv_heads, torch.float32)
     scale = 64 ** -0.5
     expected = _masked(q, kc, vc, table[0], start, scale)
-    for _ in range(2):  # the second call reuses the score buffers
+    for path, min_work in (("cascade", 0), ("shifted mask", 1 << 62)):
+        monkeypatch.setattr(paged_attention, "CASCADE_MIN_WORK", min_work)
         got = _prefill_attention(q, kc, vc, meta, scale)
-        assert got.shape == expected.shape == (tokens, heads, 64)
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr(paged_attention, "CONTINUATION_MAX_SCORES", 0)  # the shifted-mask SDPA path
-    torch.testing.assert_close(_prefill_attention(q, kc, vc, meta, scale), expected, atol=1e-5, rtol=1e-5)
+        assert got.shape == expected.shape == (tokens, heads, 64), path
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=path)
 
 
 def test_chunks_packed_in_one_step_each_attend_over_their_own_blocks() -> None:
@@ -72,21 +71,23 @@ def test_chunks_packed_in_one_step_each_attend_over_their_own_blocks() -> None:
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("start", [200, 2600])  # under and past CASCADE_MIN_WORK with 40 tokens
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_continuation_in_half_precision(dtype: torch.dtype) -> None:
-    q, kc, vc, table, meta = _case(200, 40, 9, 3, dtype, seed=1)
+def test_continuation_in_half_precision(dtype: torch.dtype, start: int) -> None:
+    q, kc, vc, table, meta = _case(start, 40, 9, 3, dtype, seed=1)
     scale = 64 ** -0.5
-    expected = _masked(q, kc, vc, table[0], 200, scale)
+    expected = _masked(q, kc, vc, table[0], start, scale)
     got = _prefill_attention(q, kc, vc, meta, scale)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 def test_a_result_never_aliases_the_reused_buffers() -> None:
-    q, kc, vc, _, meta = _case(48, 8, 9, 3, torch.float32)
+    """bf16 continuations take `_continuation_attention`, which reuses its score buffers."""
+    q, kc, vc, _, meta = _case(48, 8, 9, 3, torch.bfloat16)
     first = _prefill_attention(q, kc, vc, meta, 0.125)
     kept = first.clone()
-    q2, kc2, vc2, _, meta2 = _case(48, 8, 9, 3, torch.float32, seed=5)
+    q2, kc2, vc2, _, meta2 = _case(48, 8, 9, 3, torch.bfloat16, seed=5)
     _prefill_attention(q2, kc2, vc2, meta2, 0.125)
     assert torch.equal(first, kept)
 

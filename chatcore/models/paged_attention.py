@@ -7,8 +7,8 @@ rotated keys and values of the packed row, writes them into their cache slots, a
 
 * decode tokens through `kernels.paged_decode_attention` over their block tables;
 * prefill chunks one by one, each with a causal attention over its gathered blocks (cached
-  prefix + chunk). On the CPU, a chunk that continues cached tokens (a new turn on a long
-  history) takes `_continuation_attention` instead, when its scores fit `CONTINUATION_MAX_SCORES`.
+  prefix + chunk). On the CPU, a chunk that continues enough cached tokens (a new turn on a long
+  history) takes `_cascade_attention` instead (`CASCADE_MIN_WORK`).
 
 The KV tensors may be stored in a narrower dtype than the model's (`kv_dtype`): writes are cast
 to the storage dtype, and every read converts what it gathered back to the model's dtype, so the
@@ -36,6 +36,7 @@ from chatcore.models.support import AttentionProbe
 
 ATTENTION_NAME = "chatcore_paged"
 CONTINUATION_MAX_SCORES = 1 << 23  # heads x chunk x context: 32 MB of fp32 scores
+CASCADE_MIN_WORK = 200_000  # cached x chunk tokens from which `_cascade_attention` pays (CPU, float32)
 
 
 @dataclass(slots=True)
@@ -83,17 +84,23 @@ def _chunk_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     """One chunk of T tokens after `start` cached ones, over its sequence's blocks `table`.
 
     A chunk that starts its sequence is plain causal attention (SDPA's fused kernels, no mask).
-    One that continues cached tokens needs the causal mask shifted by `start`; on the CPU it
-    takes `_continuation_attention` when its scores fit `CONTINUATION_MAX_SCORES`.
+    One that continues cached tokens needs the causal mask shifted by `start`: SDPA with that
+    mask, except on the CPU, where measurement chose by dtype. In bf16 (an AVX-512 machine with
+    bf16 matmuls) `_continuation_attention`'s GEMMs ran 1.3-2.2x faster than SDPA's masked flash
+    kernel; in float32 (AVX-512 without bf16, 2026-12-01) they ran slower than SDPA at every
+    size tried, and `_cascade_attention` beat SDPA from `CASCADE_MIN_WORK` (docs/architecture.md).
     """
     tokens, heads, _ = q.shape
     length = start + tokens
     blocks = table[: -(-length // key_cache.shape[1])]
-    if (start and q.device.type == "cpu" and not q.requires_grad
-            and heads * tokens * length <= CONTINUATION_MAX_SCORES):
-        return _continuation_attention(q, key_cache, value_cache, blocks, start, scale)
     keys = key_cache[blocks].flatten(0, 1)[:length].to(q.dtype)  # [L, KVH, D]
     values = value_cache[blocks].flatten(0, 1)[:length].to(q.dtype)
+    if start and q.device.type == "cpu":
+        if q.dtype != torch.float32:
+            if not q.requires_grad and heads * tokens * length <= CONTINUATION_MAX_SCORES:
+                return _continuation_attention(q, keys, values, start, scale)
+        elif start * tokens >= CASCADE_MIN_WORK:
+            return _cascade_attention(q, keys, values, start, scale)
     mask = None
     if start:
         positions = torch.arange(tokens, device=q.device) + start
@@ -108,6 +115,38 @@ def _chunk_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         enable_gqa=heads != key_cache.shape[2],
     )
     return out[0].transpose(0, 1)
+
+
+def _cascade_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                       scale: float) -> torch.Tensor:
+    """A chunk continuing `start` cached tokens, as two unmasked-or-causal problems merged by
+    their log-sum-exps. q: [T, heads, D]; keys, values: [start + T, KVH, D].
+
+    Every query sees every cached token, so the cached part needs no mask: each KV head's group
+    of query heads is stacked into one [group x T] problem for the CPU flash kernel. The chunk's
+    own T tokens are plain causal attention. Merging the two softmaxes by their log-sum-exps is
+    exact up to rounding. Over 30 layers in float32 (2026-12-01): 102 tokens after 2,000 cached
+    took 139 ms against 156 for the masked SDPA call (205 for `_continuation_attention`), 300
+    after 3,000 took 433 against 537 (693); below `CASCADE_MIN_WORK` (102 after 992: 71 against
+    68) the extra call and the merge cost what they save.
+    """
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    tokens, heads, dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    k = keys.transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+    v = values.transpose(0, 1).unsqueeze(0)
+    by_head = q.transpose(0, 1).unsqueeze(0)  # [1, heads, T, D]; head h reads KV head h // group
+    past, past_lse = flash(by_head.reshape(1, kv_heads, group * tokens, dim), k[:, :, :start], v[:, :, :start],
+                           scale=scale)
+    own, own_lse = flash(by_head, k[:, :, start:].repeat_interleave(group, dim=1),
+                         v[:, :, start:].repeat_interleave(group, dim=1), is_causal=True, scale=scale)
+    past_lse = past_lse.reshape(1, heads, tokens)
+    top = torch.maximum(past_lse, own_lse)
+    past_w = torch.exp(past_lse - top).unsqueeze(-1)
+    own_w = torch.exp(own_lse - top).unsqueeze(-1)
+    out = (past.reshape(1, heads, tokens, dim).float() * past_w + own.float() * own_w) / (past_w + own_w)
+    return out.to(q.dtype)[0].transpose(0, 1)
 
 
 class _Scratch(threading.local):
@@ -132,21 +171,19 @@ class _Scratch(threading.local):
 _scratch = _Scratch()
 
 
-def _continuation_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                            blocks: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """One sequence's chunk of T tokens after `start` cached ones, over its `blocks`. q: [T, heads, D].
+def _continuation_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                            scale: float) -> torch.Tensor:
+    """A chunk of T tokens after `start` cached ones. q: [T, heads, D]; keys, values: [start + T, KVH, D].
 
     Each KV head's group of query heads is stacked into one [group * T, D] x [D, L] product,
-    the softmax runs in fp32, and only the chunk's own T columns need the causal mask. For a
-    ~120-token turn on a ~2,000-token history this is about 1.5x faster on this CPU than the
-    flash kernel with a mask, which works through small tiles (docs/architecture.md).
+    the softmax runs in fp32, and only the chunk's own T columns need the causal mask. In bf16,
+    for a ~120-token turn on a ~2,000-token history, this was about 1.5x faster than the flash
+    kernel with a mask, which works through small tiles (docs/architecture.md).
     """
     tokens, heads, dim = q.shape
-    kv_heads = key_cache.shape[2]
+    kv_heads = keys.shape[1]
     group = heads // kv_heads
     length = start + tokens
-    keys = key_cache[blocks].flatten(0, 1)[:length].to(q.dtype)  # [L, KVH, D]
-    values = value_cache[blocks].flatten(0, 1)[:length].to(q.dtype)
     rows = (q * scale).reshape(tokens, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * tokens, dim)
     shape = (kv_heads, group * tokens, length)
     scores = torch.bmm(rows, keys.permute(1, 2, 0), out=_scratch.take("scores", shape, q.dtype))
