@@ -7,8 +7,9 @@ rotated keys and values of the packed row, writes them into their cache slots, a
 
 * decode tokens through `kernels.paged_decode_attention` over their block tables;
 * prefill chunks one by one, each with a causal attention over its gathered blocks (cached
-  prefix + chunk). On the CPU, a chunk that continues enough cached tokens (a new turn on a long
-  history) takes `_cascade_attention` instead (`CASCADE_MIN_WORK`).
+  prefix + chunk). On the CPU, a chunk that continues cached tokens (a new turn on a long
+  history) may take `_continuation_attention` (bf16, fp16) or `_cascade_attention` (float32)
+  instead, as `_chunk_attention` says.
 
 The KV tensors may be stored in a narrower dtype than the model's (`kv_dtype`): writes are cast
 to the storage dtype, and every read converts what it gathered back to the model's dtype, so the
@@ -119,8 +120,8 @@ def _chunk_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
 
 def _cascade_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
                        scale: float) -> torch.Tensor:
-    """A chunk continuing `start` cached tokens, as two unmasked-or-causal problems merged by
-    their log-sum-exps. q: [T, heads, D]; keys, values: [start + T, KVH, D].
+    """A chunk continuing `start` cached tokens as two problems, one unmasked and one causal,
+    merged by their log-sum-exps. q: [T, heads, D]; keys, values: [start + T, KVH, D].
 
     Every query sees every cached token, so the cached part needs no mask: each KV head's group
     of query heads is stacked into one [group x T] problem for the CPU flash kernel. The chunk's
