@@ -102,20 +102,6 @@ async def test_a_whole_file_that_is_not_the_one_indexed_is_rejected(tmp_path) ->
         tier.close()
 
 
-async def test_a_run_read_in_parts_comes_back_in_order_and_stops_at_the_first_gap(tmp_path) -> None:
-    tier, _ = await disk_tier(tmp_path, blocks_budget=20)
-    try:
-        chain = [bytes([2, k]) * 8 for k in range(7)]
-        await tier.save([(h, block(k)) for k, h in enumerate(chain)])
-        loaded = await tier.load(chain)  # read by READERS threads, each a contiguous part
-        assert [int(t[0, 0, 0, 0, 0]) for t in loaded] == list(range(7))
-        tier.files.delete(chain[5])  # a gap in the last part: the blocks after it are useless
-        loaded = await tier.load(chain)
-        assert [int(t[0, 0, 0, 0, 0]) for t in loaded] == list(range(5)) and tier.missing == 1
-    finally:
-        tier.close()
-
-
 async def test_the_sweep_removes_old_unindexed_and_temporary_files_only(tmp_path) -> None:
     import os
     import time

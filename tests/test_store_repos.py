@@ -299,15 +299,15 @@ async def test_kv_block_lru_and_touch(sessionmaker: Maker) -> None:  # noqa: F81
         blocks = Repos(db).blocks
         for i, name in enumerate(["aa", "bb", "cc"]):
             await blocks.upsert_block(name, path=f"{name}.kv", size=100 * (i + 1), checksum="x", model_fingerprint="m1")
-            await blocks.touch_blocks([name], now - timedelta(minutes=10 - i))
+            await blocks.touch_block(name, now - timedelta(minutes=10 - i))
         await blocks.upsert_block("dd", path="dd.kv", size=1000, checksum="x", model_fingerprint="m2")
-        await blocks.touch_blocks(["dd"], now - timedelta(minutes=30))
+        await blocks.touch_block("dd", now - timedelta(minutes=30))
     async with sessionmaker() as db, db.begin():
         blocks = Repos(db).blocks
         assert [b.hash for b in await blocks.lru_blocks(10)] == ["dd", "aa", "bb", "cc"]
         assert [b.hash for b in await blocks.lru_blocks(2, model_fingerprint="m1")] == ["aa", "bb"]
-        assert await blocks.touch_blocks(["aa", "zz"], now) == 1  # one statement; "zz" is not indexed
-        assert await blocks.touch_blocks(["zz"]) == 0 and await blocks.touch_blocks([]) == 0
+        assert await blocks.touch_block("aa", now)
+        assert not await blocks.touch_block("zz")
     async with sessionmaker() as db, db.begin():
         blocks = Repos(db).blocks
         assert [b.hash for b in await blocks.lru_blocks(10, model_fingerprint="m1")] == ["bb", "cc", "aa"]
@@ -323,7 +323,7 @@ async def test_kv_block_lru_and_touch(sessionmaker: Maker) -> None:  # noqa: F81
 
 async def test_kv_block_upsert_replaces_file_fields(repos: Repos) -> None:  # noqa: F811
     first = await repos.blocks.upsert_block("aa", path="a1", size=1, checksum="c1", model_fingerprint="m1")
-    await repos.blocks.touch_blocks(["aa"])
+    await repos.blocks.touch_block("aa")
     again = await repos.blocks.upsert_block("aa", path="a2", size=2, checksum="c2", model_fingerprint="m1")
     assert again is first
     assert (again.path, again.size, again.checksum, again.hits) == ("a2", 2, "c2", 1)
@@ -349,5 +349,5 @@ async def test_datetimes_round_trip_as_aware_utc(sessionmaker: Maker) -> None:  
 async def test_naive_datetimes_are_rejected(repos: Repos) -> None:  # noqa: F811
     await repos.blocks.upsert_block("aa", path="a", size=1, checksum="c", model_fingerprint="m")
     with pytest.raises(StatementError, match="naive datetime"):
-        await repos.blocks.touch_blocks(["aa"], datetime(2030, 1, 1))
+        await repos.blocks.touch_block("aa", datetime(2030, 1, 1))
     assert isinstance(await repos.blocks.get_block("aa"), KvBlock)

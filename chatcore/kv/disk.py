@@ -89,9 +89,7 @@ class DiskBlocks:
         file that is whole but not that one (replaced behind the index's back) is rejected too."""
         path = self.path_for(block_hash)
         try:
-            with path.open("rb") as fh:
-                data = bytearray(os.fstat(fh.fileno()).st_size)
-                del data[fh.readinto(data):]  # one copy: the tensor returned is a view of this buffer
+            data = path.read_bytes()
         except FileNotFoundError:
             if not missing_ok:
                 raise
@@ -103,7 +101,7 @@ class DiskBlocks:
             return None
         return problem
 
-    def _check(self, data: bytearray, block_hash: bytes, checksum: str | None) -> torch.Tensor | str:
+    def _check(self, data: bytes, block_hash: bytes, checksum: str | None) -> torch.Tensor | str:
         if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 4:
             return "bad magic"
         start = len(MAGIC) + 4
@@ -119,15 +117,14 @@ class DiskBlocks:
             return "written for another model"
         if header.get("hash") != block_hash.hex():
             return "hash mismatch"
-        offset = start + header_len
-        payload = memoryview(data)[offset:]
-        if len(payload) != expected or not expected:
+        payload = data[start + header_len:]
+        if len(payload) != expected:
             return f"truncated ({len(payload)} of {expected} bytes)"
         if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
             return "checksum mismatch"
         if checksum is not None and header.get("sha256") != checksum:
             return "not the file the index recorded (checksum differs)"
-        tensor = torch.frombuffer(data, dtype=torch.uint8, offset=offset, count=expected)
+        tensor = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         try:
             return tensor.view(dtype).reshape(shape)
         except RuntimeError:

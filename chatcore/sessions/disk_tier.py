@@ -34,7 +34,6 @@ from chatcore.store.repos import Repos
 
 log = logging.getLogger(__name__)
 WRITER_NICE = 10
-READERS = 2  # threads reading one run back: on 2 cores, 41 blocks (30 MB) from the page cache in 32 ms instead of 49
 ORPHAN_AGE_S = 600.0
 
 
@@ -48,7 +47,7 @@ class DiskTier:
         self.clock = clock
         # Reads are on a turn's critical path; writes and deletes are not, and their hashing and
         # copying would otherwise take CPU from the engine's step (see `_background_priority`).
-        self._reader = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="chatcore-disk-read")
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatcore-disk-read")
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatcore-disk-write",
                                           initializer=_background_priority)
         self._known: set[bytes] = set()
@@ -121,12 +120,14 @@ class DiskTier:
             run.append((block_hash, indexed[block_hash.hex()]))
         if not run:
             return []
-        tensors, missing = await self._read_parallel(run)
+        loop = asyncio.get_running_loop()
+        tensors, missing = await loop.run_in_executor(self._reader, self._read_run, run)
         run_hashes = [h for h, _ in run]
         self._known.update(run_hashes[: len(tensors)])
         async with self.sessionmaker() as db, db.begin():
             repos = Repos(db)
-            await repos.blocks.touch_blocks([h.hex() for h in run_hashes[: len(tensors)]])
+            for block_hash in run_hashes[: len(tensors)]:
+                await repos.blocks.touch_block(block_hash.hex())
             if len(tensors) < len(run):
                 bad = run_hashes[len(tensors)]
                 if missing:
@@ -136,21 +137,6 @@ class DiskTier:
                 self._known.discard(bad)
                 await repos.blocks.delete_block(bad.hex())
         return tensors
-
-    async def _read_parallel(self, run: list[tuple[bytes, str]]) -> tuple[list[torch.Tensor], bool]:
-        """`_read_run` over `READERS` contiguous parts of `run` at once (hashing and copying release
-        the GIL, and a turn waiting for its history leaves the cores idle); the parts are joined
-        up to the first that stopped short, as one read of the whole run would have stopped."""
-        loop = asyncio.get_running_loop()
-        size = -(-len(run) // READERS)
-        parts = await asyncio.gather(*(loop.run_in_executor(self._reader, self._read_run, run[i:i + size])
-                                       for i in range(0, len(run), size)))
-        tensors: list[torch.Tensor] = []
-        for (got, missing), start in zip(parts, range(0, len(run), size), strict=True):
-            tensors += got
-            if len(got) < len(run[start:start + size]):
-                return tensors, missing
-        return tensors, False
 
     def _read_run(self, run: list[tuple[bytes, str]]) -> tuple[list[torch.Tensor], bool]:
         """The readable leading blocks of `run` (hash, indexed checksum), and whether the run

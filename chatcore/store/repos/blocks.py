@@ -35,15 +35,12 @@ class KvBlockRepo:
     async def get_block(self, hash: str) -> KvBlock | None:
         return await self.db.get(KvBlock, hash)
 
-    async def touch_blocks(self, hashes: list[str], at: datetime | None = None) -> int:
-        """Count a hit on each of `hashes` and mark them used now (or at `at`), in one statement;
-        returns how many were indexed."""
-        if not hashes:
-            return 0
+    async def touch_block(self, hash: str, at: datetime | None = None) -> bool:
+        """Count a hit and mark the block used now (or at `at`); False when it is not indexed."""
         result = await self.db.execute(
-            update(KvBlock).where(KvBlock.hash.in_(hashes)).values(hits=KvBlock.hits + 1, last_used_at=at or utcnow())
+            update(KvBlock).where(KvBlock.hash == hash).values(hits=KvBlock.hits + 1, last_used_at=at or utcnow())
         )
-        return int(result.rowcount)
+        return bool(result.rowcount)
 
     async def delete_block(self, hash: str) -> bool:
         result = await self.db.execute(delete(KvBlock).where(KvBlock.hash == hash))
