@@ -55,6 +55,7 @@ class Ledger:
     acked: dict[tuple[str, int], tuple[str, str]] = field(default_factory=dict)
     owned: dict[int, list[tuple[str, str]]] = field(default_factory=dict)
     created: int = 0
+    turn_done: asyncio.Event = field(default_factory=asyncio.Event)  # set by every acknowledged turn
 
 
 @dataclass
@@ -86,6 +87,7 @@ async def client_loop(server, index: int, rng: random.Random, ledger: Ledger) ->
                 if turn.done is None:
                     break
                 ledger.acked[(chat.session_id, turn.done["turn"])] = (turn.text, turn.done["finish_reason"])
+                ledger.turn_done.set()
             await chat.close()
     except (websockets.ConnectionClosed, OSError, TimeoutError):
         return  # the server was killed under us
@@ -186,8 +188,13 @@ async def test_sigkill_rounds(tmp_path, capsys, crash: Crash) -> None:
                 break  # the last restart stays up for the final checks
             tasks = [asyncio.create_task(client_loop(server, i, random.Random(rng.random()), ledger))
                      for i in range(crash.clients)]
+            # The fault: a SIGKILL at a random moment of the traffic, once this round has finished a
+            # turn (a loaded machine may take longer than the delay to finish the first), so that
+            # every round leaves history on disk for the corruption to hit.
+            ledger.turn_done.clear()
+            await asyncio.wait_for(ledger.turn_done.wait(), timeout=300)
             delay = rng.uniform(1.0, 5.0)
-            await asyncio.sleep(delay)  # the fault: a SIGKILL at a random moment of the traffic
+            await asyncio.sleep(delay)
             figures["kill delays s"].append(round(delay, 2))
             server.stop(signal.SIGKILL)
             figures["SIGKILLs"] += 1
