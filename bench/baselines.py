@@ -136,7 +136,7 @@ def hf_continuous(model: Any, prompts: list[list[int]], max_new_tokens: int, *, 
     try:
         manager.warmup()
         cache = manager.batch_processor.cache
-        matched = []
+        matched: list[int] = []
         search = cache.search_prefix_match
 
         def counted(request_id: str, prompt_ids: list[int]) -> int:
@@ -145,22 +145,22 @@ def hf_continuous(model: Any, prompts: list[list[int]], max_new_tokens: int, *, 
 
         cache.search_prefix_match = counted
         manager.start()
-        results = {}
+        finished: dict[str, Any] = {}
         t0 = time.perf_counter()  # transformers stamps with perf_counter too
         manager.add_requests(inputs=prompts, max_new_tokens=max_new_tokens, record_timestamps=True)
-        while len(results) < len(prompts) and manager.is_running():
+        while len(finished) < len(prompts) and manager.is_running():
             result = manager.get_result(timeout=1)
             if result is not None and result.is_finished():
-                results[result.request_id] = result
+                finished[result.request_id] = result
         wall = time.perf_counter() - t0
     finally:
         manager.stop(block=True, timeout=60)
         manager.destroy()
         cb_logger.setLevel(level)
-    errors = [r.error for r in results.values() if r.error]
+    results = list(finished.values())
+    errors = [r.error for r in results if r.error]
     if errors or len(results) != len(prompts):
         raise RuntimeError(f"continuous batching failed: {errors[:2]} ({len(results)} of {len(prompts)} results)")
-    results = list(results.values())
     tokens = sum(len(r.generated_tokens) for r in results)
     ttft = [r.timestamps[0] - t0 for r in results if r.timestamps]
     firsts = [r.timestamps[0] for r in results if r.timestamps]
