@@ -25,6 +25,7 @@ from chatcore.models import paged_attention, support
 from chatcore.models.device import resolve_device, resolve_dtype
 from chatcore.models.errors import ModelNotFound, UnsupportedModel
 from chatcore.models.hub import is_hub_id, resolve_hub_id
+from chatcore.models.weight_layout import store_linears_transposed
 
 FINGERPRINT_HEAD_BYTES = 1 << 20
 log = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ def load_model(settings: Settings) -> LoadedModel:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=name)
     model.to(device)
     model.eval()
+    store_linears_transposed(model)
     profile = _profile(model, settings.model)
     return LoadedModel(
         model=model,
