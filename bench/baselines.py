@@ -29,6 +29,8 @@ class BatchRun:
     decode_tok_s: float | None = None
     cached_tokens: int = 0
     note: str = ""
+    full_decode_tokens: int = 0  # chatcore: tokens decoded in steps where every request decodes, no prefill
+    full_decode_s: float = 0.0  # and those steps' time
 
     @property
     def tok_s(self) -> float:

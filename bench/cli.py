@@ -113,8 +113,7 @@ def bench_command(args: argparse.Namespace, settings: Settings) -> int:
         _log(f"[{name}] done in {cpu['wall_s']:.1f} s; other processes used {cpu['foreign_busy_cores']:.2f} cores "
              f"meanwhile{' (DISTURBED: re-run this suite)' if cpu['foreign_busy_cores'] > 0.3 else ''}")
         for t in result.get("targets", []):
-            verdict = "REPORT" if t["met"] is None else "MET   " if t["met"] else "MISSED"
-            _log(f"    {verdict} {t['name']}: {_fmt(t['value'])} ({t['detail']})")
+            _log(f"    {t['verdict'].upper():12} {t['name']}: {_fmt(t['value'])} ({t['detail']})")
         _write(path, ctx, mode, suites, busy)
 
     from bench.report import markdown_table
@@ -126,10 +125,11 @@ def bench_command(args: argparse.Namespace, settings: Settings) -> int:
 
 def exit_code(suites: dict[str, Any], failures: int, *, fail_on_missed: bool) -> int:
     """1 when a suite failed to run, or (unless --no-fail) when a target of this run's suites was
-    missed (results.json may also hold earlier runs of other suites: they do not count)."""
-    missed = [t["name"] for s in suites.values() for t in s.get("targets", []) if t["met"] is False]
+    missed or inconclusive (results.json may also hold earlier runs of other suites: they do not count)."""
+    missed = [f"{t['name']} ({t['verdict']})" for s in suites.values() for t in s.get("targets", [])
+              if t["met"] is False]
     if missed:
-        _log(f"{len(missed)} target(s) missed: {'; '.join(missed)}")
+        _log(f"{len(missed)} target(s) not met: {'; '.join(missed)}")
     return 1 if failures or (missed and fail_on_missed) else 0
 
 

@@ -40,18 +40,30 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-def target(name: str, value: float, op: str, threshold: float, detail: str = "") -> dict[str, Any]:
-    """A target, met or missed: `value op threshold`, op one of '>=' and '<='."""
-    ok = value >= threshold if op == ">=" else value <= threshold
-    if value != value:  # NaN: not measured
-        ok = False
-    return {"name": name, "value": value, "op": op, "threshold": threshold, "met": bool(ok), "detail": detail}
+def target(name: str, value: float, op: str, threshold: float, detail: str = "",
+           runs: list[float] | None = None) -> dict[str, Any]:
+    """A target, judged `value op threshold` (op one of '>=' and '<='): verdict met or missed.
+
+    `runs` are the per-repeat values behind `value`. When some of them meet the threshold and
+    others do not, the repeats spread wider than the margin to it and the verdict is
+    `inconclusive`, which is never met (`met` False, and `chatcore bench` exits 1 as for a miss).
+    """
+    def holds(v: float) -> bool:
+        return not math.isnan(v) and (v >= threshold if op == ">=" else v <= threshold)
+
+    verdict = "met" if holds(value) else "missed"
+    measured = [v for v in runs or [] if not math.isnan(v)]
+    if len(measured) > 1 and len({holds(v) for v in measured}) > 1:
+        verdict = "inconclusive"
+    return {"name": name, "value": value, "op": op, "threshold": threshold, "met": verdict == "met",
+            "verdict": verdict, "runs": list(runs or []), "detail": detail}
 
 
 def reported(name: str, value: float, detail: str = "") -> dict[str, Any]:
     """A figure shown beside the targets without a verdict (`met` None): a sanity check, or a
     comparison with no threshold worth judging. It never fails a run."""
-    return {"name": name, "value": value, "op": "report", "threshold": None, "met": None, "detail": detail}
+    return {"name": name, "value": value, "op": "report", "threshold": None, "met": None, "verdict": "reported",
+            "detail": detail}
 
 
 class CpuMonitor:

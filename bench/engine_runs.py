@@ -37,7 +37,7 @@ def run_batch(core: EngineCore, prompts: list[list[int]], params: SamplingParams
             req.arrival = time.monotonic()
             core.add(req)
         finals = {}
-        decode_tokens, decode_time = 0, 0.0
+        decode_tokens, decode_time, full_tokens, full_time = 0, 0.0, 0, 0.0
         while core.has_work:
             before = len(plans)
             s0 = time.perf_counter()
@@ -48,6 +48,9 @@ def run_batch(core: EngineCore, prompts: list[list[int]], params: SamplingParams
             if len(plans) > before and not plans[-1].prefill and plans[-1].decode:
                 decode_tokens += len(plans[-1].decode)
                 decode_time += dt
+                if len(plans[-1].decode) == len(requests):
+                    full_tokens += len(requests)
+                    full_time += dt
         wall = time.perf_counter() - t0
     finally:
         core.on_step.remove(hook)
@@ -58,7 +61,7 @@ def run_batch(core: EngineCore, prompts: list[list[int]], params: SamplingParams
     ttft = [o.timings.ttft_ms / 1e3 for o in finals.values()]
     cached = sum(o.usage.cached_tokens for o in finals.values())
     return BatchRun(wall, tokens, ttft, decode_tok_s=decode_tokens / decode_time if decode_time else None,
-                    cached_tokens=cached)
+                    cached_tokens=cached, full_decode_tokens=full_tokens, full_decode_s=full_time)
 
 
 def fresh_core(ctx: Any, **overrides: Any) -> EngineCore:

@@ -45,8 +45,9 @@ def markdown_table(data: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for t in data.get("targets", []):
-        goal, verdict = ("", "reported") if t["met"] is None else (f"{t['op']} {_num(t['threshold'])}",
-                                                                   "met" if t["met"] else "**missed**")
+        goal = "" if t["met"] is None else f"{t['op']} {_num(t['threshold'])}"
+        verdict = t.get("verdict") or ("reported" if t["met"] is None else "met" if t["met"] else "missed")
+        verdict = verdict if verdict in ("met", "reported") else f"**{verdict}**"
         lines.append(f"| {t['suite']} | {t['name']} | {_num(t['value'])} | {goal} | {verdict} |")
     suites = data.get("suites", {})
     thr = suites.get("throughput", {}).get("systems")
@@ -80,6 +81,15 @@ def markdown_table(data: dict[str, Any]) -> str:
                          f"of the step's shape with its weights in cache "
                          f"({_num(lim.get('gemm_flops', 0) / 1e9)} GFLOP/s at "
                          f"{'x'.join(str(d) for d in lim.get('gemm_shape', []))}).")
+        eff = suites["throughput"].get("efficiency", {}).get("summary")
+        if eff:
+            lines.append("")
+            lines.append(f"Efficiency ({suites['throughput']['efficiency']['sizes']['requests']} concurrent chats, "
+                         f"sharing on): {_num(eff['model_flops'] / eff['wall_s'] / 1e9)} GFLOP/s of model FLOPs over "
+                         f"the run ({_num(eff['computed_tokens'])} tokens computed, {_num(eff['cached_tokens'])} read "
+                         f"from the prefix cache), {_num(eff['whole_run_fraction'] * 100)}% of the "
+                         f"{_num(eff['ceiling_flops'] / 1e9)} GFLOP/s GEMM ceiling; decoding with all of them running, "
+                         f"{_num(eff['full_decode_tok_s'])} tok/s, {_num(eff['decode_fraction'] * 100)}% of it.")
     lines += _sessions_table(suites.get("sessions", {}))
     for name, s in suites.items():
         if s.get("error"):

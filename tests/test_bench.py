@@ -83,20 +83,24 @@ def test_bench_all_quick_tiny(bench_all_quick_tiny: BenchRun) -> None:
         assert "error" not in suite, (name, suite.get("error"))
         assert suite["targets"], name
         for t in suite["targets"]:
-            assert {"name", "value", "op", "threshold", "met"} <= set(t)
+            assert {"name", "value", "op", "threshold", "met", "verdict"} <= set(t)
         for plot in suite["plots"]:
             assert (tmp_path / plot).stat().st_size > 1000
-    assert len(data["targets"]) == 17
+    assert len(data["targets"]) == 19
     assert [t["name"] for t in data["targets"] if t["met"] is None] == [
         suites["hitrate"]["targets"][0]["name"], suites["memory"]["targets"][0]["name"]]  # reported, no verdict
     table = (tmp_path / "table.md").read_text()
-    assert table.count("\n| ") >= 17 and table.count("| reported |") == 2
+    assert table.count("\n| ") >= 19 and table.count("| reported |") == 2
     assert suites["throughput"]["systems"]["llama_cpp"]["skipped"]
     throughput = suites["throughput"]
     assert throughput["systems"]["chatcore_no_sharing"]["cached_tokens"] == 0 < throughput["systems"]["chatcore"]["cached_tokens"]
     assert 0 < throughput["shared_fraction"] < 1 and "Decode efficiency" in table and "no sharing" in table
     assert "prompt tokens from its prefix cache |" in table and throughput["systems"]["hf_generate_batch"]["cached_tokens"] >= 0
     assert suites["resume"]["rows"][0]["disk_cached_disk_tokens"] > 0
+    efficiency = throughput["efficiency"]["summary"]
+    assert efficiency["computed_tokens"] > 0 and efficiency["cached_tokens"] > 0  # 4 chats share a system prompt
+    assert 0 < efficiency["whole_run_fraction"] and efficiency["full_decode_tokens"] > 0
+    assert 0 < efficiency["decode_fraction"] and "Efficiency (4 concurrent chats" in table
 
 
 def test_a_missed_target_fails_the_run_unless_no_fail() -> None:
@@ -110,6 +114,18 @@ def test_a_missed_target_fails_the_run_unless_no_fail() -> None:
     assert exit_code({"a": suites["a"]}, 0, fail_on_missed=True) == 0  # a report is never a miss
     assert exit_code({"a": suites["a"]}, 1, fail_on_missed=False) == 1  # a suite that failed to run
     assert target("unmeasured", float("nan"), "<=", 1.0)["met"] is False
+
+
+def test_repeats_on_both_sides_of_a_threshold_are_inconclusive() -> None:
+    from bench.cli import exit_code
+    from bench.common import target
+
+    straddles = target("spread", 1.35, ">=", 1.3, runs=[1.2, 1.35, 1.4])
+    assert straddles["verdict"] == "inconclusive" and straddles["met"] is False
+    assert exit_code({"a": {"targets": [straddles]}}, 0, fail_on_missed=True) == 1
+    assert target("all above", 1.35, ">=", 1.3, runs=[1.31, 1.35, 1.4])["verdict"] == "met"
+    assert target("all below", 0.5, "<=", 0.3, runs=[0.4, 0.5, 0.6])["verdict"] == "missed"
+    assert target("one run", 0.2, "<=", 0.3, runs=[0.2])["verdict"] == "met"
 
 
 def _bench_hitrate(out: Path, stderr: int) -> subprocess.CompletedProcess[str]:

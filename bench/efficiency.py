@@ -1,0 +1,90 @@
+"""Issue 14's efficiency targets: the engine's model FLOP rate with 64 concurrent chats, as a
+share of this CPU's GEMM rate in the run's dtype, both measured in the same run.
+
+Workload: 64 chats shaped like the throughput suite's (a shared ~300-token system prompt,
+distinct ~100-token user messages), added at once to an engine with prefix sharing on (as a
+server holds them), each generating `new_tokens` greedy tokens with EOS ignored.
+
+Model FLOPs count what the run computed, never what it read from the prefix cache:
+2 x the decoder's parameters (every weight but the input embedding and the LM head) for each
+prompt token computed and each generated token fed back, and 2 x the LM head's parameters for
+each token sampled (one row per request per step; earlier rows of a prefill chunk skip the
+head). Attention's own FLOPs are not counted. In the decode phase (steps where all the requests
+decode and no prompt runs) every token does both, so a token counts 2 x all parameters.
+
+The ceiling is the best of a few 2048^3 GEMMs in the run's dtype, measured right after each
+repeat (this VM's rate drifts by +-20% over minutes); each repeat's fraction uses its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.common import Context, gemm_flops, median, num_params, target
+from bench.engine_runs import chat_prompts, fresh_core, run_batch
+from bench.workload import chat_workload
+from chatcore.engine.request import SamplingParams
+
+WHOLE_RUN_TARGET = 0.65
+DECODE_TARGET = 0.50
+
+
+def sizes(ctx: Context) -> dict[str, int]:
+    if ctx.tiny:
+        return {"requests": 4, "system": 60, "user": 24, "new_tokens": 4, "gemm": 256}
+    if ctx.quick:
+        return {"requests": 64, "system": 300, "user": 100, "new_tokens": 16, "gemm": 2048}
+    return {"requests": 64, "system": 300, "user": 100, "new_tokens": 64, "gemm": 2048}
+
+
+def flop_weights(model: Any) -> tuple[int, int]:
+    """(parameters every computed token multiplies, LM-head parameters every sampled token multiplies)."""
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    tied = head.data_ptr() == embed.data_ptr()
+    return num_params(model) - embed.numel() - (0 if tied else head.numel()), head.numel()
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    sz = sizes(ctx)
+    system, users = chat_workload(ctx.tokenizer, sz["requests"], sz["system"], sz["user"], seed=3)
+    prompts = chat_prompts(ctx.tokenizer, system, users)
+    params = SamplingParams(max_tokens=sz["new_tokens"], ignore_eos=True)
+    body, head = flop_weights(ctx.loaded.model)
+    core = fresh_core(ctx)
+    run_batch(core, prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    repeats: list[dict[str, float]] = []
+    for _ in ctx.each_repeat(range(ctx.repeats)):
+        batch = run_batch(core, prompts, params)
+        ceiling = gemm_flops(ctx.dtype, sz["gemm"], sz["gemm"], sz["gemm"], reps=3 if ctx.quick or ctx.tiny else 5,
+                             device=ctx.loaded.device)
+        computed = sum(map(len, prompts)) - batch.cached_tokens + batch.output_tokens - len(prompts)
+        flops = 2 * body * computed + 2 * head * batch.output_tokens
+        decode_rate = batch.full_decode_tokens / batch.full_decode_s if batch.full_decode_s else float("nan")
+        repeats.append({
+            "wall_s": batch.wall_s, "output_tokens": batch.output_tokens, "cached_tokens": batch.cached_tokens,
+            "computed_tokens": computed, "model_flops": flops, "ceiling_flops": ceiling,
+            "whole_run_fraction": flops / batch.wall_s / ceiling,
+            "full_decode_tokens": batch.full_decode_tokens, "full_decode_tok_s": decode_rate,
+            "decode_fraction": 2 * (body + head) * decode_rate / ceiling,
+            "ttft_mean_s": sum(batch.ttft_s) / len(batch.ttft_s),
+        })
+        ctx.log(f"  {len(prompts)} chats: {flops / batch.wall_s / 1e9:.1f} GFLOP/s over the run "
+                f"({computed} tokens computed, {batch.cached_tokens} from the cache), decode with all running "
+                f"{decode_rate:.1f} tok/s; GEMM ceiling {ceiling / 1e9:.1f} GFLOP/s")
+    whole = [r["whole_run_fraction"] for r in repeats]
+    decode = [r["decode_fraction"] for r in repeats]
+    summary = {key: median([r[key] for r in repeats]) for key in repeats[0]}
+    return {
+        "sizes": sz, "repeats": repeats, "summary": summary,
+        "flop_weights": {"decoder": body, "lm_head": head},
+        "targets": [
+            target(f"{len(prompts)} concurrent chats: model FLOP rate >= {WHOLE_RUN_TARGET:.0%} of the GEMM ceiling",
+                   median(whole), ">=", WHOLE_RUN_TARGET,
+                   f"{summary['model_flops'] / summary['wall_s'] / 1e9:.1f} vs {summary['ceiling_flops'] / 1e9:.1f} "
+                   f"GFLOP/s ({sz['gemm']}^3), {summary['computed_tokens']:.0f} tokens computed", whole),
+            target(f"decode with all {len(prompts)} running: output tokens x 2 x parameters >= "
+                   f"{DECODE_TARGET:.0%} of the GEMM ceiling", median(decode), ">=", DECODE_TARGET,
+                   f"{summary['full_decode_tok_s']:.1f} tok/s", decode),
+        ],
+    }
