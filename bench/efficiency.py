@@ -33,7 +33,7 @@ def sizes(ctx: Context) -> dict[str, int]:
     if ctx.tiny:
         return {"requests": 4, "system": 60, "user": 24, "new_tokens": 4, "gemm": 256}
     if ctx.quick:
-        return {"requests": 64, "system": 300, "user": 100, "new_tokens": 16, "gemm": 2048}
+        return {"requests": 16, "system": 150, "user": 50, "new_tokens": 12, "gemm": 2048}
     return {"requests": 64, "system": 300, "user": 100, "new_tokens": 64, "gemm": 2048}
 
 

@@ -206,7 +206,7 @@ def trace_config(ctx: Context) -> TraceConfig:
     if ctx.tiny:
         return TraceConfig(num_sessions=30)
     if ctx.quick:
-        return TraceConfig(num_sessions=150)
+        return TraceConfig(num_sessions=80)
     return TraceConfig(num_sessions=200)
 
 

@@ -1,8 +1,8 @@
 """Suite 2, multi-turn: TTFT of turns 1..10 of one conversation whose history grows to ~2,000 tokens.
 
 The conversation: a ~100-token system prompt, then per turn a ~120-token user message and a
-64-token greedy answer (EOS ignored; --quick: 160-token messages and 16-token answers, the
-same history growth with less decoding). The history is the canonical token chain: prompt,
+64-token greedy answer (EOS ignored; --quick: a ~60-token system prompt, 60-token messages and
+8-token answers, the baselines at turns 1 and 10 only). The history is the canonical token chain: prompt,
 generated ids, then `<|im_end|>\\n`, so each turn's prompt extends the previous one.
 
 Three ways to answer each turn's prompt, all on the same token ids:
@@ -37,7 +37,7 @@ def sizes(ctx: Context) -> dict[str, Any]:
     if ctx.tiny:
         return {"turns": 3, "system": 40, "user": 24, "answer": 4, "baseline_turns": [1, 3]}
     if ctx.quick:
-        return {"turns": 10, "system": 100, "user": 160, "answer": 16, "baseline_turns": [1, 4, 7, 10]}
+        return {"turns": 10, "system": 60, "user": 60, "answer": 8, "baseline_turns": [1, 10]}
     return {"turns": 10, "system": 100, "user": 120, "answer": 64, "baseline_turns": list(range(1, 11))}
 
 

@@ -38,7 +38,7 @@ def sizes(ctx: Context) -> dict[str, Any]:
     if ctx.tiny:
         return {"lengths": [160], "repeats": 1, "user_tokens": 60}
     if ctx.quick:
-        return {"lengths": [2000], "repeats": 1, "user_tokens": 300}
+        return {"lengths": [600], "repeats": 1, "user_tokens": 600}
     return {"lengths": [500, 1000, 2000], "repeats": 3, "user_tokens": 300}
 
 

@@ -34,7 +34,7 @@ def sizes(ctx: Context) -> dict[str, int]:
     if ctx.tiny:
         return {"sessions": 4, "system": 60, "user": 24, "new_tokens": 4}
     if ctx.quick:
-        return {"sessions": 16, "system": 300, "user": 100, "new_tokens": 32}
+        return {"sessions": 8, "system": 150, "user": 50, "new_tokens": 16}
     return {"sessions": 16, "system": 300, "user": 100, "new_tokens": 64}
 
 

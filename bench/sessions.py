@@ -13,8 +13,9 @@ first prompt has the final turn's token count (unique text: only the shared temp
 hit). The ratios use the faster of the two medians (after a long trace the probes ran up to 1.5x
 slower, which would flatter every ratio).
 
-Runs: the given session counts (default 64 and 256, --quick 16) on the given tier sizes
-(default: the server's own), and `overflow`: 32 sessions (--quick 8) on tiny tiers, sized from
+Runs: the given session counts (default 64 and 256; --quick none unless `--sessions` names
+some) on the given tier sizes (default: the server's own), and `overflow`: 32 sessions (--quick
+6 sessions x 3 turns of 60-token messages, 4-token answers) on tiny tiers, sized from
 the model's KV bytes per token so that the final turn's working set is `OVERFLOW` x the device
 pool plus the disk budget, the device pool being 1/9 of the two (at least two final-turn
 histories). Each run's token trace is also replayed offline (`bench.replay`) at one cache of the
@@ -63,7 +64,7 @@ def sizes(ctx: Context) -> dict[str, Any]:
     if ctx.tiny:
         base = {"sessions": [3], "turns": 3, "overflow_sessions": 6, "user_tokens": 16, "answer_tokens": 4}
     elif ctx.quick:
-        base = {"sessions": [16], "turns": 4, "overflow_sessions": 8, "user_tokens": 90, "answer_tokens": 8}
+        base = {"sessions": [], "turns": 3, "overflow_sessions": 6, "user_tokens": 60, "answer_tokens": 4}
     else:
         base = {"sessions": [64, 256], "turns": 10, "overflow_sessions": 32, "user_tokens": 90, "answer_tokens": 8}
     if opts.get("sessions"):

@@ -61,7 +61,7 @@ def run(ctx: Context) -> dict[str, Any]:
     if ctx.tiny:
         prompt_len, answer_len = 80, 6
     elif ctx.quick:
-        answer_len = min(answer_len, 32)
+        prompt_len, answer_len = min(prompt_len, 300), min(answer_len, 16)
     tok = ctx.tokenizer
     user = text_of_tokens(tok, random.Random(3), prompt_len - 30, prefix="Here is our conversation so far.")
     prompt = chat_prompts(tok, "You are a helpful assistant.", [user])[0]

@@ -48,7 +48,7 @@ def sizes(ctx: Context) -> dict[str, int]:
     if ctx.tiny:
         return {"requests": 4, "system": 60, "user": 24, "new_tokens": 4, "sequential_requests": 2}
     if ctx.quick:
-        return {"requests": 16, "system": 300, "user": 100, "new_tokens": 32, "sequential_requests": 4}
+        return {"requests": 8, "system": 150, "user": 50, "new_tokens": 12, "sequential_requests": 2}
     return {"requests": 16, "system": 300, "user": 100, "new_tokens": 64, "sequential_requests": 16}
 
 
