@@ -169,3 +169,38 @@ def test_a_block_that_cannot_be_installed_leaves_nothing_referenced(make_core) -
         BlockOps(core).install(tokens, salt, 4, 0, wrong_shape, "test")
     report = audit(core.pool)
     assert report.ok and report.used == 0 and not core.pool.tables, report.format()
+
+
+async def test_a_turn_prefetches_the_session_expected_back_next(make_services) -> None:  # noqa: F811
+    services = await make_services(kv_disk_gb=1, hot_window_s=0)
+    disk = services.turns.disk
+    disk.clock = Ticks()  # the forecast's clock: one second per reading, so the order is fixed
+    tenant = services.local_tenant_id
+    a, b, c = [(await services.sessions.create(tenant, system_prompt=f"You are assistant {name}."))[0]
+               for name in "abc"]
+    # Round robin a, b, c, a, b. Each turn reads the clock twice: looking ahead (a prefetch that
+    # finds the history in the pool leaves nothing), then claiming its chain at 2, 4, 6, 8, 10.
+    for state in (a, b, c, a, b):
+        await run_turn(services, state, f"Say hello to user {state.id[:4]}.")
+    await services.turns.background_idle()
+    for state in (a, b, c):
+        await services.engine.on_thread(lambda s=state: services.turns.pins.release(s.id))
+    await services.engine.call(lambda core: core.pool.evict_cached())
+    bs = services.settings.block_size
+
+    async def cached_blocks(state) -> int:
+        salt = services.engine.core.salt(state.scope_key)
+        return await services.engine.call(lambda core: len(longest_prefix(core.pool.find, state.tokens, bs, salt)[0]))
+
+    assert [await cached_blocks(s) for s in (a, b, c)] == [0, 0, 0]
+    # a's turn (out of order) looks ahead at 11: c (used at 6; no gap of its own, the mean gap is 6)
+    # is due in 1 s, b (used at 10, its gap 6) in 5 s. c's history comes back from disk meanwhile.
+    await run_turn(services, a, "One more thing.")
+    assert b.prefetching is None and c.prefetching is not None
+    loaded = await c.prefetching
+    full = len(c.tokens) // bs
+    assert loaded == full * bs
+    assert await cached_blocks(c) == full
+    assert await cached_blocks(b) == 0
+    done = await run_turn(services, c, "And now?")
+    assert done["usage"]["cached_disk_tokens"] == loaded and done["usage"]["cached_tokens"] >= loaded

@@ -19,7 +19,7 @@ turns than fit, LRU always evicts the conversation that comes next, and every tu
   nothing; one overdue (its user went away) waits longer the longer it stays away. Before any
   gap is known, the wait is the time since the last use (LRU).
 * evicts from the group with the longest wait per unit of recompute cost of its tail block
-  (`victim`), and keeps that victim until it has no evictable block left or is used again:
+  (`victim`), and keeps that victim until it has no evictable block left or claims a chain again:
   conversations are lost whole, from the tail, rather than every conversation losing its tail.
   Within the victim, the deepest block the tier calls evictable goes first (in the pool: a
   cached-free leaf; on disk: a block no other group holds).
@@ -66,6 +66,9 @@ class ReuseForecast(Generic[K]):
     def __len__(self) -> int:
         return len(self._groups)
 
+    def __contains__(self, group: object) -> bool:
+        return group in self._groups
+
     def owner(self, key: K) -> str | None:
         return self._owner.get(key)
 
@@ -77,7 +80,8 @@ class ReuseForecast(Generic[K]):
         return self._holders[key]
 
     def claim(self, group: str, chain: Sequence[K], now: float, *, use: bool = True) -> None:
-        """`group` holds `chain` (root first) from now on; `use` records a turn at `now`."""
+        """`group` holds `chain` (root first) from now on; `use` records a turn at `now`. A group
+        that claims a chain (a turn, or a prefetch bringing it back) stops being the victim."""
         entry = self._groups.get(group)
         if entry is None:
             entry = self._groups[group] = _Group(group, now)
@@ -93,7 +97,7 @@ class ReuseForecast(Generic[K]):
         self._holders.update(entry.chain)
         for key in entry.chain:
             self._owner[key] = group
-        if use and self._victim == group:
+        if self._victim == group:
             self._victim = None
 
     def _release(self, chain: list[K]) -> None:

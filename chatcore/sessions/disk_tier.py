@@ -68,6 +68,18 @@ class DiskTier:
     def drop(self, session_id: str) -> None:
         self.forecast.drop(session_id)
 
+    def soonest(self, session_ids: list[str], horizon_s: float) -> str | None:
+        """Of `session_ids`, the one the forecast expects back soonest, if within `horizon_s`
+        (sessions that never claimed a chain here have no forecast and are skipped)."""
+        now = self.clock()
+        best: tuple[float, str] | None = None
+        for session_id in session_ids:
+            if session_id in self.forecast:
+                wait = self.forecast.wait(session_id, now)
+                if wait <= horizon_s and (best is None or wait < best[0]):
+                    best = (wait, session_id)
+        return None if best is None else best[1]
+
     async def filter_unknown(self, hashes: list[bytes]) -> list[bytes]:
         """The hashes not yet on disk."""
         todo = [h for h in hashes if h not in self._known]

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from chatcore.sessions.pins import PinRegistry
 
 log = logging.getLogger(__name__)
+LOOKAHEAD_S = 30.0  # how soon a session must be expected back for a turn to prefetch it (`prefetch_next`)
 
 
 class TurnRunner:
@@ -172,6 +173,7 @@ class TurnRunner:
             try:
                 frames.emit({"type": "start", "truncated_turns": window.window_start})
                 await self._attach_prefix(state, req, window.use_pin)
+                self.prefetch_next(state)
                 # A cancel (or an expired grace period) that came while the prefix was attached found
                 # no request in the engine to abort: honour it here. From here to the engine's `add`
                 # nothing awaits, so a later cancel finds the request.
@@ -246,10 +248,34 @@ class TurnRunner:
             return 0
 
     def prefetch(self, state: SessionState) -> None:
-        """Start bringing the session's history back from the disk tier (on `hello`): the reads
-        overlap other sessions' compute, and its next turn finds the blocks in the pool."""
+        """Start bringing the session's history back from the disk tier (on `hello`, or ahead of
+        its expected turn): the reads overlap other sessions' compute, and its next turn finds the
+        blocks in the pool. A prefetch that found everything in the pool already leaves nothing
+        behind, so a later one may still fetch what gets evicted meanwhile."""
         if self.disk is not None and state.tokens and state.prefetching is None and not state.turn_running:
-            state.prefetching = asyncio.create_task(self.load_history(state), name=f"prefetch-{state.id}")
+            task = state.prefetching = asyncio.create_task(self.load_history(state), name=f"prefetch-{state.id}")
+
+            def nothing_loaded(done: asyncio.Task[int]) -> None:
+                if state.prefetching is done and not done.cancelled() and done.exception() is None \
+                        and done.result() == 0:
+                    state.prefetching = None
+
+            task.add_done_callback(nothing_loaded)
+
+    def prefetch_next(self, current: SessionState) -> None:
+        """While `current`'s turn computes, start bringing back the idle session the disk tier's
+        forecast expects back soonest (within `LOOKAHEAD_S`). Under round robin that is the next
+        turn's session: its history, evicted to disk, waits in the pool when its turn comes, and
+        the read overlaps this turn's compute instead of delaying that one. The pool's eviction
+        takes the conversation expected back last, never the one just prefetched."""
+        disk = self.disk
+        if disk is None:
+            return
+        idle = [s.id for s in self.sessions.live.values()
+                if s is not current and s.tokens and s.prefetching is None and not s.turn_running]
+        soonest = disk.soonest(idle, LOOKAHEAD_S)
+        if soonest is not None:
+            self.prefetch(self.sessions.live[soonest])
 
     async def load_history(self, state: SessionState) -> int:
         """Install the session's full blocks missing from the pool, read from the disk tier, as
