@@ -2,8 +2,9 @@
 share of this CPU's GEMM rate in the run's dtype, both measured in the same run.
 
 Workload: 64 chats shaped like the throughput suite's (a shared ~300-token system prompt,
-distinct ~100-token user messages), added at once to an engine with prefix sharing on (as a
-server holds them), each generating `new_tokens` greedy tokens with EOS ignored.
+distinct ~100-token user messages), added at once to the throughput suite's engine (warm, one
+pool for both) with prefix sharing on (as a server holds them), each generating `new_tokens`
+greedy tokens with EOS ignored.
 
 Model FLOPs count what the run computed, never what it read from the prefix cache:
 2 x the decoder's parameters (every weight but the input embedding and the LM head) for each
@@ -21,8 +22,9 @@ from __future__ import annotations
 from typing import Any
 
 from bench.common import Context, gemm_flops, median, num_params, target
-from bench.engine_runs import chat_prompts, fresh_core, run_batch
+from bench.engine_runs import chat_prompts, run_batch
 from bench.workload import chat_workload
+from chatcore.engine.core import EngineCore
 from chatcore.engine.request import SamplingParams
 
 WHOLE_RUN_TARGET = 0.65
@@ -45,14 +47,13 @@ def flop_weights(model: Any) -> tuple[int, int]:
     return num_params(model) - embed.numel() - (0 if tied else head.numel()), head.numel()
 
 
-def run(ctx: Context) -> dict[str, Any]:
+def run(ctx: Context, core: EngineCore) -> dict[str, Any]:
+    """`core`: the throughput suite's engine, warm; each repeat starts in a fresh cache scope."""
     sz = sizes(ctx)
     system, users = chat_workload(ctx.tokenizer, sz["requests"], sz["system"], sz["user"], seed=3)
     prompts = chat_prompts(ctx.tokenizer, system, users)
     params = SamplingParams(max_tokens=sz["new_tokens"], ignore_eos=True)
     body, head = flop_weights(ctx.loaded.model)
-    core = fresh_core(ctx)
-    run_batch(core, prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     repeats: list[dict[str, float]] = []
     for _ in ctx.each_repeat(range(ctx.repeats)):
         batch = run_batch(core, prompts, params)

@@ -182,7 +182,7 @@ def run(ctx: Context) -> dict[str, Any]:
                ">=", 1.5, f"{ours:.1f} vs {systems['hf_generate_batch'].get('tok_s', float('nan')):.1f} tok/s",
                ratio_runs["vs_hf_generate_batch"]),
     ]
-    result["efficiency"] = efficiency.run(ctx)
+    result["efficiency"] = efficiency.run(ctx, core)
     result["targets"] += result["efficiency"].pop("targets")
     return result
 

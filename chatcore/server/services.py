@@ -97,6 +97,9 @@ class Services:
         running = [s.running for s in self.sessions.live.values() if s.running is not None]
         await asyncio.gather(*running, return_exceptions=True)
         await asyncio.gather(*self.turns.background, return_exceptions=True)
+        # Prefetches read through the disk tier into the engine, both closed below.
+        await asyncio.gather(*[s.prefetching for s in self.sessions.live.values() if s.prefetching is not None],
+                             return_exceptions=True)
         await self.sessions.leases.stop()  # releases this replica's leases
         self.sessions.close()
         self.engine.shutdown()
