@@ -2,8 +2,8 @@
 
 The conversation: a ~100-token system prompt, then per turn a ~120-token user message and a
 64-token greedy answer (EOS ignored; --quick: a ~60-token system prompt, 60-token messages and
-8-token answers, the baselines at turns 1 and 10 only). The history is the canonical token chain: prompt,
-generated ids, then `<|im_end|>\\n`, so each turn's prompt extends the previous one.
+8-token answers, the baselines at turns 1 and 10 only). The history is the canonical token
+chain: prompt, generated ids, then `<|im_end|>\\n`, so each turn's prompt extends the previous one.
 
 Three ways to answer each turn's prompt, all on the same token ids:
 * chatcore: one engine, prefix cache on. The previous turn's full blocks (prompt and answer)
