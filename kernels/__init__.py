@@ -60,9 +60,12 @@ def paged_decode_attention(
         return paged_decode.paged_decode_attention(
             query, key_cache, value_cache, block_tables, context_lens, scale, num_splits, out
         )
-    from kernels import reference
+    from kernels import native, reference
 
-    result = reference.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
+    if native.accepts(query, key_cache, value_cache, block_tables, context_lens) and native.available():
+        result = native.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
+    else:
+        result = reference.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
     if out is None:
         return result
     return out.copy_(result)

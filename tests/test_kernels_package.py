@@ -46,17 +46,20 @@ def test_transformers_does_not_take_it_for_hf_kernels():
     assert available == "False"
 
 
-def test_cpu_calls_run_the_reference_without_triton():
+def test_cpu_calls_run_the_c_path_or_the_reference_without_triton():
     out = run_python(
         "import sys, torch, kernels\n"
-        "from kernels import reference\n"
+        "from kernels import native, reference\n"
         "g = torch.Generator().manual_seed(0)\n"
         "kc, vc = torch.randn(6, 8, 2, 16, generator=g), torch.randn(6, 8, 2, 16, generator=g)\n"
         "q = torch.randn(2, 4, 16, generator=g)\n"
         "bt = torch.tensor([[3, 1, -9], [5, 99, 99]], dtype=torch.int32)\n"
         "lens = torch.tensor([11, 8], dtype=torch.int32)\n"
+        "cpu = native if native.available() else reference\n"
         "same = torch.equal(kernels.paged_decode_attention(q, kc, vc, bt, lens, 0.25),\n"
-        "                   reference.paged_decode_attention(q, kc, vc, bt, lens, 0.25))\n"
+        "                   cpu.paged_decode_attention(q, kc, vc, bt, lens, 0.25))\n"
+        "half = (q.half(), kc.half(), vc.half(), bt, lens)\n"
+        "same &= torch.equal(kernels.paged_decode_attention(*half, 0.25), reference.paged_decode_attention(*half, 0.25))\n"
         "k, v = torch.randn(2, 2, 16, generator=g), torch.randn(2, 2, 16, generator=g)\n"
         "kernels.store_kv(k, v, kc, vc, torch.tensor([0, -1]))\n"
         "kernels.copy_blocks(kc, vc, torch.tensor([0]), torch.tensor([4]))\n"
@@ -66,7 +69,7 @@ def test_cpu_calls_run_the_reference_without_triton():
     assert out.split() == ["True", "True", "False"]
 
 
-def test_out_is_filled_on_the_reference_path(monkeypatch):
+def test_out_is_filled_on_the_cpu_path(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     gen = torch.Generator().manual_seed(3)
     key_cache, value_cache = torch.randn(4, 16, 1, 32, generator=gen), torch.randn(4, 16, 1, 32, generator=gen)
@@ -75,4 +78,5 @@ def test_out_is_filled_on_the_reference_path(monkeypatch):
     out = torch.empty(1, 3, 32)
     got = kernels.paged_decode_attention(query, key_cache, value_cache, table, lens, 0.2, out=out)
     assert got is out
-    assert torch.equal(out, reference.paged_decode_attention(query, key_cache, value_cache, table, lens, 0.2))
+    torch.testing.assert_close(out, reference.paged_decode_attention(query, key_cache, value_cache, table, lens, 0.2),
+                               atol=1e-5, rtol=1e-5)

@@ -105,8 +105,10 @@ def test_wheel_requires_triton_only_on_linux(installed: Installed) -> None:
 
 
 def test_the_venv_runs_the_installed_package(installed: Installed, tmp_path: Path) -> None:
-    probe = ("import importlib.util, chatcore, kernels, chatcore.resources as r; "
-             "print(chatcore.__file__, kernels.__file__, r.WEB_DIR, r.MIGRATIONS_DIR, r.NGINX_TEMPLATE, sep='\\n'); "
+    probe = ("import importlib.util, pathlib, chatcore, kernels, chatcore.resources as r; "
+             "c_source = pathlib.Path(kernels.__file__).with_name('cpu_decode.c'); "
+             "print(chatcore.__file__, kernels.__file__, c_source, r.WEB_DIR, r.MIGRATIONS_DIR, r.NGINX_TEMPLATE, "
+             "sep='\\n'); "
              "print(importlib.util.find_spec('triton'))")
     out = _run([installed.bin / "python", "-c", probe], cwd=tmp_path, env=_outside_env(tmp_path)).stdout.split("\n")
     *paths, triton = filter(None, out)

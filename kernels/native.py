@@ -1,0 +1,130 @@
+"""The CPU decode attention in C (`kernels/cpu_decode.c`), built on first use and called through ctypes.
+
+The library is compiled once per source, compiler and CPU (`-march=native`, so the key holds the
+CPU's flags) into `$XDG_CACHE_HOME/chatcore/kernels` (default `~/.cache`), written to a
+temporary name and renamed, so concurrent processes never load a half-written file. It links
+the OpenMP runtime torch already loaded (same soname), so it shares torch's threads instead of
+starting a second pool on the same cores. ctypes releases the GIL for the call.
+
+When no C compiler is found or the build fails, `available()` is False, one warning says why,
+and `kernels` keeps using the torch reference: the engine runs either way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
+LIBS = ("-lmvec", "-lm")
+_ARGTYPES = (
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+    ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int,
+)
+
+
+def _cache_dir() -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "chatcore" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], check=False, capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *LIBS, version, _cpu_flags()]).encode()).hexdigest()
+    target = _cache_dir() / f"cpu_decode-{key[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
+    os.close(handle)
+    try:
+        result = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE), *LIBS],
+                                check=False, capture_output=True, text=True, timeout=300)
+        if result.returncode:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+@functools.cache
+def _function() -> ctypes._CFuncPtr | None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: CPU decode attention uses the torch reference (slower)")
+        return None
+    try:
+        library = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        log.warning("building kernels/cpu_decode.c failed, CPU decode attention uses the torch reference: %s", error)
+        return None
+    function = library.chatcore_paged_decode_f32
+    function.argtypes = _ARGTYPES
+    function.restype = ctypes.c_int
+    return function
+
+
+def available() -> bool:
+    """Whether the C decode attention is built and loaded (builds it on the first call)."""
+    return _function() is not None
+
+
+def accepts(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+            context_lens: torch.Tensor) -> bool:
+    """Whether these (already validated) arguments can take the C path: float32 CPU tensors in
+    the layouts it indexes, and no autograd graph to record."""
+    return (query.device.type == "cpu" and query.dtype == torch.float32 and key_cache.dtype == torch.float32
+            and not (torch.is_grad_enabled() and query.requires_grad)
+            and query.is_contiguous() and key_cache.is_contiguous() and value_cache.is_contiguous()
+            and query.shape[-1] % 8 == 0 and block_tables.stride(-1) == 1 and context_lens.is_contiguous())
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """`kernels.reference.paged_decode_attention`'s contract, for arguments `accepts` took.
+
+    Raises ValueError when a context is longer than its table row holds or needs a block id
+    outside the pool (nothing is read out of bounds)."""
+    function = _function()
+    if function is None:
+        raise RuntimeError("the C decode attention is not available")
+    num_seqs, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    max_context = int(context_lens.max()) if num_seqs else 0
+    if max_context > block_tables.shape[1] * block_size:
+        raise ValueError("a context is longer than its block table holds")
+    out = torch.empty_like(query)
+    status = function(
+        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads,
+        head_dim, block_size, num_blocks, max_context, scale, torch.get_num_threads())
+    if status == -2:
+        raise ValueError("a block table entry within a context is outside the cache")
+    if status:
+        raise MemoryError("the C decode attention could not allocate its scores")
+    return out

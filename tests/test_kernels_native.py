@@ -1,0 +1,113 @@
+"""The C decode attention (kernels/cpu_decode.c, the engine's float32 CPU path) against the
+dense oracle, its refusals, and its build fallback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kernels
+from kernels import native, reference
+from tests.test_kernels_reference import dense_attention, make_case
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the torch reference serves the CPU")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 90), min_size=1, max_size=12),
+    num_kv_heads=st.integers(1, 3),
+    group=st.sampled_from([1, 3, 4]),
+    head_dim=st.sampled_from([16, 64, 80, 96, 128]),
+    block_size=st.sampled_from([8, 16, 32, 64]),
+    seed=st.integers(0, 2**16),
+)
+def test_decode_matches_dense(lens, num_kv_heads, group, head_dim, block_size, seed):
+    case = make_case(lens, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                     block_size=block_size, dtype=torch.float32, seed=seed)
+    scale = head_dim**-0.5
+    assert native.accepts(*case)
+    got = native.paged_decode_attention(*case, scale)
+    assert got.shape == case[0].shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, dense_attention(*case, scale), atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[case[4] == 0], torch.zeros_like(got[case[4] == 0]))
+
+
+def test_long_contexts_and_a_strided_table_row():
+    """Contexts across many blocks (the prefetch of the next block), table rows taken from a
+    wider buffer (the engine's packed step metadata), every kv head split per task and whole."""
+    lens = [1, 16, 17, 700, 1500, 2048]
+    query, key_cache, value_cache, table, context_lens = make_case(
+        lens, num_kv_heads=3, group=3, head_dim=64, block_size=16, dtype=torch.float32)
+    wide = torch.full((len(lens), table.shape[1] + 5), 7, dtype=torch.int32)
+    wide[:, : table.shape[1]] = table
+    strided = wide[:, : table.shape[1]]
+    assert strided.stride(0) != strided.shape[1] and native.accepts(query, key_cache, value_cache, strided,
+                                                                      context_lens)
+    expected = dense_attention(query, key_cache, value_cache, table, context_lens, 0.125)
+    for threads in (1, 2):  # 6 sequences: one kv head per task with 2 threads, whole rows with 1
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            got = native.paged_decode_attention(query, key_cache, value_cache, strided, context_lens, 0.125)
+        finally:
+            torch.set_num_threads(previous)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        if threads == 1:
+            first = got
+    assert torch.equal(got, first)  # each row sums in one fixed order, whatever the task split
+
+
+def test_bad_tables_are_refused_not_read():
+    query, key_cache, value_cache, table, lens = make_case([20, 33], num_kv_heads=1, group=2, head_dim=16,
+                                                           block_size=8, dtype=torch.float32)
+    bad = table.clone()
+    bad[1, 2] = key_cache.shape[0]  # the third block of a 33-token context: outside the pool
+    with pytest.raises(ValueError, match="outside the cache"):
+        native.paged_decode_attention(query, key_cache, value_cache, bad, lens, 0.25)
+    too_long = torch.tensor([20, table.shape[1] * 8 + 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="longer than its block table"):
+        native.paged_decode_attention(query, key_cache, value_cache, table, too_long, 0.25)
+
+
+def test_what_the_c_path_declines_goes_to_the_reference(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    case = make_case([5, 40], num_kv_heads=2, group=2, head_dim=16, block_size=8, dtype=torch.float32)
+    query, key_cache, value_cache, table, lens = case
+    assert torch.equal(kernels.paged_decode_attention(*case, 0.25), native.paged_decode_attention(*case, 0.25))
+    half = (query.half(), key_cache.half(), value_cache.half(), table, lens)
+    fp32_query_half_cache = (query, key_cache.half(), value_cache.half(), table, lens)
+    odd_dim = make_case([5, 40], num_kv_heads=2, group=2, head_dim=12, block_size=8, dtype=torch.float32)
+    grad_query = query.clone().requires_grad_()
+    for args in (half, fp32_query_half_cache, odd_dim, (grad_query, *case[1:])):
+        assert not native.accepts(*args)
+        assert torch.equal(kernels.paged_decode_attention(*args, 0.25), reference.paged_decode_attention(*args, 0.25))
+
+
+def test_without_a_compiler_the_reference_serves(tmp_path):
+    """A machine with no working C compiler still decodes: one warning, then the reference."""
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "XDG_CACHE_HOME": str(tmp_path)}
+    env.pop("TRITON_INTERPRET", None)
+    code = (
+        "import logging, torch, kernels\n"
+        "from kernels import native, reference\n"
+        "from tests.test_kernels_reference import make_case\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "case = make_case([9, 30], num_kv_heads=1, group=3, head_dim=16, block_size=8, dtype=torch.float32)\n"
+        "same = torch.equal(kernels.paged_decode_attention(*case, 0.25), reference.paged_decode_attention(*case, 0.25))\n"
+        "print(native.available(), same)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], check=False, cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "True"]
+    assert "uses the torch reference" in result.stderr
