@@ -6,7 +6,9 @@ step is classed as prefill (a prompt chunk runs) or decode (every sequence decod
 Wall-clock timers around the engine's parts split a step into the model body, the LM head, the
 step's metadata (the runner's time outside the model), scheduling, sampling with detokenizing,
 and the rest. Every seventh step runs under `torch.profiler` instead (not timed) to split the
-forward's own ops into matmuls, attention math, K/V gathers and writes, and other ops.
+forward's own ops into matmuls, attention math, K/V gathers and writes, and other ops. The C
+decode attention (kernels/native.py, float32 on the CPU) reads K/V in place: it counts as
+attention math.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from chatcore.engine import detok
 from chatcore.engine.core import EngineCore
 from chatcore.engine.request import SamplingParams
 from chatcore.models.loader import load_model
+from kernels import native
 
 OP_GROUPS = {
     "matmul": {"aten::mm", "aten::addmm", "aten::bmm"},
     "attention math": {"aten::_softmax", "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::masked_fill_",
-                       "aten::exp", "aten::amax", "aten::sub", "aten::div_", "aten::baddbmm"},
+                       "aten::exp", "aten::amax", "aten::sub", "aten::div_", "aten::baddbmm", native.PROFILER_NAME},
     "K/V gather and write": {"aten::index", "aten::index_put_", "aten::_index_put_impl_", "aten::index_select",
                              "aten::copy_", "aten::cat"},
 }
@@ -57,7 +60,7 @@ class Timers:
 def _op_split(prof: Any) -> collections.Counter[str]:
     split: collections.Counter[str] = collections.Counter()
     for event in prof.key_averages():
-        if event.key.startswith("aten::"):
+        if event.key.startswith("aten::") or event.key == native.PROFILER_NAME:
             group = next((g for g, names in OP_GROUPS.items() if event.key in names), "other ops")
             split[group] += event.self_cpu_time_total / 1e6
     return split

@@ -1,9 +1,11 @@
-"""Paged attention kernels (Triton) and their torch references.
+"""Paged attention kernels (Triton, and C for the CPU's float32 decode) and their torch references.
 
 The engine calls these three functions and nothing else. Each runs the Triton kernel on CUDA
 tensors, and in Triton's interpreter on CPU tensors while `TRITON_INTERPRET=1` is set (checked
-at every call, whenever triton was imported: see kernels/_triton.py); otherwise it runs the
-torch reference in `kernels.reference`, which is the engine's CPU path. Layouts: query [S, H, D]; key_cache and value_cache
+at every call, whenever triton was imported: see kernels/_triton.py). Otherwise float32 decode
+attention runs the C kernel (`kernels.native`, built on first use) where it takes the
+arguments, and everything else the torch reference in `kernels.reference`: together, the
+engine's CPU path. Layouts: query [S, H, D]; key_cache and value_cache
 [num_blocks, block_size, KVH, D]; block_tables int32 [S, max_blocks]; context_lens int32 [S].
 
 Importing this package imports neither torch nor triton (transformers probes for a package

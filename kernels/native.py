@@ -27,6 +27,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
+PROFILER_NAME = "kernels::paged_decode_c"  # how a call shows in torch.profiler (bench/profile_step.py)
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
 LIBS = ("-lmvec", "-lm")
 _ARGTYPES = (
@@ -119,10 +120,11 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     if max_context > block_tables.shape[1] * block_size:
         raise ValueError("a context is longer than its block table holds")
     out = torch.empty_like(query)
-    status = function(
-        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
-        block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads,
-        head_dim, block_size, num_blocks, max_context, scale, torch.get_num_threads())
+    with torch.profiler.record_function(PROFILER_NAME):
+        status = function(
+            query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads,
+            head_dim, block_size, num_blocks, max_context, scale, torch.get_num_threads())
     if status == -2:
         raise ValueError("a block table entry within a context is outside the cache")
     if status:

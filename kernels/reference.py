@@ -1,7 +1,8 @@
 """Torch implementations of the paged-cache operations.
 
-These are the engine's production CPU path (what `kernels.*` runs on CPU tensors when the
-Triton interpreter is off) and the oracle the Triton kernels are tested against. They are
+These are the engine's CPU path (what `kernels.*` runs on CPU tensors when the Triton
+interpreter is off, except float32 decode attention, which `kernels/native.py` runs in C where a
+compiler is present) and the oracle the Triton kernels are tested against. They are
 vectorised over sequences: one gather, one attention call, no Python loop over sequences or
 blocks. docs/kernels.md records the variants that were measured and why this one was kept.
 
