@@ -83,6 +83,59 @@ static void prefetch_block(const float *cache, const int32_t *table, int64_t ind
     }
 }
 
+/* One task: `rows` query rows (q, o) over one sequence's first `len` tokens, reading the slice
+   [offset, offset + floats) of each token row. Inlined with head_dim 64 and 128 as constants,
+   so the inner loops unroll fully for the common sizes. */
+static inline __attribute__((always_inline)) void attend(
+    const float *q, const float *key_cache, const float *value_cache, const int32_t *table, int64_t len, int64_t rows,
+    int64_t group, int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t token_stride, int64_t offset,
+    int64_t floats, float scale, float *scores, float *acc, float *o) {
+    const int64_t used = (len + block_size - 1) / block_size;
+    float *denominators = acc + rows * head_dim;  /* each row's running max first, then its sum */
+    for (int64_t r = 0; r < rows; ++r) denominators[r] = -INFINITY;
+    for (int64_t b = 0; b < used; ++b) {
+        prefetch_block(key_cache, table, b, len, block_size, num_blocks, token_stride, offset, floats);
+        const float *k = key_cache + table[b] * block_size * token_stride + offset;
+        const int64_t first = b * block_size, n = len - first < block_size ? len - first : block_size;
+        for (int64_t r = 0; r < rows; ++r) {
+            float top = denominators[r];
+            for (int64_t t = 0; t < n; ++t) {
+                const float score = dot(q + r * head_dim, k + t * token_stride + (r / group) * head_dim, head_dim) * scale;
+                scores[r * len + first + t] = score;
+                top = score > top ? score : top;
+            }
+            denominators[r] = top;
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        float *row = scores + r * len;
+        const float top = denominators[r];
+        float lanes[LANES] = {0};
+        int64_t t = 0;
+        for (; t + LANES <= len; t += LANES)
+            for (int l = 0; l < LANES; ++l) {
+                row[t + l] = expf(row[t + l] - top);
+                lanes[l] += row[t + l];
+            }
+        for (int l = 0; t < len; ++t, ++l) {
+            row[t] = expf(row[t] - top);
+            lanes[l] += row[t];
+        }
+        denominators[r] = lane_sum(lanes);
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(rows * head_dim));
+    for (int64_t b = 0; b < used; ++b) {
+        prefetch_block(value_cache, table, b, len, block_size, num_blocks, token_stride, offset, floats);
+        const float *v = value_cache + table[b] * block_size * token_stride + offset;
+        const int64_t first = b * block_size, n = len - first < block_size ? len - first : block_size;
+        for (int64_t r = 0; r < rows; ++r)
+            accumulate(acc + r * head_dim, scores + r * len + first, v + (r / group) * head_dim, n, token_stride,
+                       head_dim);
+    }
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t d = 0; d < head_dim; ++d) o[r * head_dim + d] = acc[r * head_dim + d] / denominators[r];
+}
+
 /* Returns 0, or -1 when a thread could not allocate its scores, or -2 when a block id the
    context needs is outside [0, num_blocks). `out` is then unspecified. */
 int chatcore_paged_decode_f32(const float *query, const float *key_cache, const float *value_cache,
@@ -122,44 +175,15 @@ int chatcore_paged_decode_f32(const float *query, const float *key_cache, const 
                 status = -2;
                 continue;
             }
-            for (int64_t b = 0; b < used; ++b) {
-                prefetch_block(key_cache, table, b, len, block_size, num_blocks, token_stride, offset, floats);
-                const float *k = key_cache + table[b] * block_size * token_stride + offset;
-                const int64_t first = b * block_size, n = len - first < block_size ? len - first : block_size;
-                for (int64_t r = 0; r < rows; ++r)
-                    for (int64_t t = 0; t < n; ++t)
-                        scores[r * len + first + t] =
-                            dot(q + r * head_dim, k + t * token_stride + (r / group) * head_dim, head_dim) * scale;
-            }
-            float *denominators = acc + rows * head_dim;
-            for (int64_t r = 0; r < rows; ++r) {
-                float *row = scores + r * len;
-                float top = row[0];
-                for (int64_t t = 1; t < len; ++t) top = row[t] > top ? row[t] : top;
-                float lanes[LANES] = {0};
-                int64_t t = 0;
-                for (; t + LANES <= len; t += LANES)
-                    for (int l = 0; l < LANES; ++l) {
-                        row[t + l] = expf(row[t + l] - top);
-                        lanes[l] += row[t + l];
-                    }
-                for (int l = 0; t < len; ++t, ++l) {
-                    row[t] = expf(row[t] - top);
-                    lanes[l] += row[t];
-                }
-                denominators[r] = lane_sum(lanes);
-            }
-            memset(acc, 0, sizeof(float) * (size_t)(rows * head_dim));
-            for (int64_t b = 0; b < used; ++b) {
-                prefetch_block(value_cache, table, b, len, block_size, num_blocks, token_stride, offset, floats);
-                const float *v = value_cache + table[b] * block_size * token_stride + offset;
-                const int64_t first = b * block_size, n = len - first < block_size ? len - first : block_size;
-                for (int64_t r = 0; r < rows; ++r)
-                    accumulate(acc + r * head_dim, scores + r * len + first, v + (r / group) * head_dim, n,
-                               token_stride, head_dim);
-            }
-            for (int64_t r = 0; r < rows; ++r)
-                for (int64_t d = 0; d < head_dim; ++d) o[r * head_dim + d] = acc[r * head_dim + d] / denominators[r];
+            if (head_dim == 64)
+                attend(q, key_cache, value_cache, table, len, rows, group, 64, block_size, num_blocks, token_stride,
+                       offset, floats, scale, scores, acc, o);
+            else if (head_dim == 128)
+                attend(q, key_cache, value_cache, table, len, rows, group, 128, block_size, num_blocks, token_stride,
+                       offset, floats, scale, scores, acc, o);
+            else
+                attend(q, key_cache, value_cache, table, len, rows, group, head_dim, block_size, num_blocks,
+                       token_stride, offset, floats, scale, scores, acc, o);
         }
         free(scores);
         free(acc);
