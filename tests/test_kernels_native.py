@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import kernels
 from kernels import native, reference
-from tests.test_kernels_reference import dense_attention, make_case
+from tests.test_kernels_reference import case_strategies, dense_attention, make_case
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,14 +22,7 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: t
 
 
 @settings(max_examples=40, deadline=None)
-@given(
-    lens=st.lists(st.integers(0, 90), min_size=1, max_size=12),
-    num_kv_heads=st.integers(1, 3),
-    group=st.sampled_from([1, 3, 4]),
-    head_dim=st.sampled_from([16, 64, 80, 96, 128]),
-    block_size=st.sampled_from([8, 16, 32, 64]),
-    seed=st.integers(0, 2**16),
-)
+@given(**case_strategies(max_seqs=12, head_dims=(16, 64, 80, 96, 128)))
 def test_decode_matches_dense(lens, num_kv_heads, group, head_dim, block_size, seed):
     case = make_case(lens, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
                      block_size=block_size, dtype=torch.float32, seed=seed)

@@ -47,15 +47,15 @@ def make_case(lens, *, num_kv_heads, group, head_dim, block_size, dtype, seed=0)
     return query, key_cache, value_cache, table.to(torch.int32), torch.tensor(lens, dtype=torch.int32)
 
 
+def case_strategies(max_seqs: int = 6, head_dims: tuple[int, ...] = (16, 64, 80, 96)) -> dict[str, st.SearchStrategy]:
+    """What a decode test draws for `make_case`: ragged lengths, GQA, head dims, block sizes, a seed."""
+    return {"lens": st.lists(st.integers(0, 90), min_size=1, max_size=max_seqs), "num_kv_heads": st.integers(1, 3),
+            "group": st.sampled_from([1, 3, 4]), "head_dim": st.sampled_from(head_dims),
+            "block_size": st.sampled_from([8, 16, 32, 64]), "seed": st.integers(0, 2**16)}
+
+
 @settings(max_examples=40, deadline=None)
-@given(
-    lens=st.lists(st.integers(0, 90), min_size=1, max_size=6),
-    num_kv_heads=st.integers(1, 3),
-    group=st.sampled_from([1, 3, 4]),
-    head_dim=st.sampled_from([16, 64, 80, 96]),
-    block_size=st.sampled_from([8, 16, 32, 64]),
-    seed=st.integers(0, 2**16),
-)
+@given(**case_strategies())
 def test_decode_matches_dense_fp32(lens, num_kv_heads, group, head_dim, block_size, seed):
     case = make_case(lens, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
                      block_size=block_size, dtype=torch.float32, seed=seed)
