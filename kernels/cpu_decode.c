@@ -2,10 +2,11 @@
 
    The torch reference gathers every sequence's blocks into a contiguous buffer and then runs
    SDPA over it: each layer's K/V is read, written and read again. This reads it once. One task
-   is one (sequence, kv head): the query heads sharing that kv head (GQA) score every cached
-   token, take an exact two-pass softmax (max, then exp and sum) and accumulate the values.
-   Sums run in float32, in a fixed order of 16 lanes, so results do not depend on the thread
-   count. Built and loaded by kernels/native.py, which validates the arguments first. */
+   is one sequence and some of its kv heads: the query heads sharing each kv head (GQA) score
+   every cached token, take an exact two-pass softmax (max, then exp and sum) and accumulate the
+   values. Every sum runs in float32 in a fixed order per query row, so results do not depend on
+   the thread count or on how tasks split the heads. Built and loaded by kernels/native.py,
+   which validates the arguments first. */
 
 #include <math.h>
 #include <stdint.h>

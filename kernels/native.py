@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -74,7 +75,7 @@ def _build(compiler: str) -> Path:
 
 
 @functools.cache
-def _function() -> ctypes._CFuncPtr | None:
+def _function() -> Callable[..., int] | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler found: CPU decode attention uses the torch reference (slower)")
