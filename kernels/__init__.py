@@ -1,8 +1,8 @@
-"""Paged attention kernels (Triton, and C for the CPU's float32 decode) and their torch references.
+"""Paged attention kernels (Triton, and C for the CPU's decode) and their torch references.
 
 The engine calls these three functions and nothing else. Each runs the Triton kernel on CUDA
 tensors, and in Triton's interpreter on CPU tensors while `TRITON_INTERPRET=1` is set (checked
-at every call, whenever triton was imported: see kernels/_triton.py). Otherwise float32 decode
+at every call, whenever triton was imported: see kernels/_triton.py). Otherwise decode
 attention runs the C kernel (`kernels.native`, built on first use) where it takes the
 arguments, and everything else the torch reference in `kernels.reference`: together, the
 engine's CPU path. Layouts: query [S, H, D]; key_cache and value_cache
@@ -64,7 +64,7 @@ def paged_decode_attention(
         )
     from kernels import native, reference
 
-    if native.accepts(query, key_cache, value_cache, block_tables, context_lens) and native.available():
+    if native.accepts(query, key_cache, value_cache, block_tables, context_lens):
         result = native.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
     else:
         result = reference.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)

@@ -1,12 +1,15 @@
-/* Paged decode attention for float32 on the CPU, reading K and V blocks where they lie.
+/* Paged decode attention on the CPU, reading K and V blocks where they lie.
 
    The torch reference gathers every sequence's blocks into a contiguous buffer and then runs
    SDPA over it: each layer's K/V is read, written and read again. This reads it once. One task
    is one sequence and some of its kv heads: the query heads sharing each kv head (GQA) score
    every cached token, take an exact two-pass softmax (max, then exp and sum) and accumulate the
-   values. Every sum runs in float32 in a fixed order per query row, so results do not depend on
-   the thread count or on how tasks split the heads. Built and loaded by kernels/native.py,
-   which validates the arguments first. */
+   values. Query, output and caches may each be float32, bfloat16 or float16; everything is
+   computed in float32 (half-precision blocks are widened into a scratch buffer once, then read
+   by every query head of their group) and the output is rounded to the query's dtype (nearest,
+   ties to even, as torch rounds). Every sum runs in a fixed order per query row, so results do
+   not depend on the thread count or on how tasks split the heads. Built and loaded by
+   kernels/native.py, which validates the arguments first. */
 
 #include <math.h>
 #include <stdint.h>
@@ -23,11 +26,92 @@ __attribute__((__simd__("notinbranch"))) float expf(float);
    unaligned variant; head_dim must be a multiple of 8 (kernels/native.py checks). */
 typedef float vec __attribute__((vector_size(32)));
 typedef float vec_unaligned __attribute__((vector_size(32), aligned(4)));
+typedef uint16_t half_bits __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t wide_bits __attribute__((vector_size(32)));
 #define W 8
+
+enum kind { F32 = 0, BF16 = 1, F16 = 2 };
+
+#ifdef __FLT16_MAX__
+typedef _Float16 f16x8 __attribute__((vector_size(16), aligned(2)));
+int chatcore_has_f16(void) { return 1; }
+#else
+int chatcore_has_f16(void) { return 0; }
+#endif
 
 static inline vec load(const float *p) { return *(const vec_unaligned *)p; }
 static inline void store(float *p, vec v) { *(vec_unaligned *)p = v; }
-static inline float hsum(vec v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
+
+/* Eight elements of `kind` from p, widened to float (bf16: the high half of a float's bits). */
+static inline vec load_as(const char *p, int kind) {
+    if (kind == BF16) return (vec)(__builtin_convertvector(*(const half_bits *)p, wide_bits) << 16);
+#ifdef __FLT16_MAX__
+    if (kind == F16) return __builtin_convertvector(*(const f16x8 *)p, vec);
+#endif
+    return load((const float *)p);
+}
+
+static inline size_t element_size(int kind) { return kind == F32 ? 4 : 2; }
+
+static inline float scalar_in(const char *p, int kind) {
+    float f = 0;
+    if (kind == BF16) {
+        uint16_t h;
+        memcpy(&h, p, 2);
+        const uint32_t bits = (uint32_t)h << 16;
+        memcpy(&f, &bits, 4);
+#ifdef __FLT16_MAX__
+    } else if (kind == F16) {
+        _Float16 h;
+        memcpy(&h, p, 2);
+        f = (float)h;
+#endif
+    } else {
+        memcpy(&f, p, 4);
+    }
+    return f;
+}
+
+static inline void scalar_out(char *p, float f, int kind) {
+    if (kind == BF16) {
+        uint32_t bits;
+        memcpy(&bits, &f, 4);
+        if ((bits & 0x7fffffffu) > 0x7f800000u) bits |= 0x00400000u;  /* NaN stays a (quiet) NaN */
+        else bits += 0x7fffu + ((bits >> 16) & 1u);
+        const uint16_t h = (uint16_t)(bits >> 16);
+        memcpy(p, &h, 2);
+#ifdef __FLT16_MAX__
+    } else if (kind == F16) {
+        const _Float16 h = (_Float16)f;
+        memcpy(p, &h, 2);
+#endif
+    } else {
+        memcpy(p, &f, 4);
+    }
+}
+
+/* The sum of a vector's lanes, paired as transpose_sum pairs them, so a token's score does
+   not depend on which of the two computed it. */
+static inline float hsum(vec v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
+
+/* r[j] = hsum(v[j]) for eight vectors at once: three rounds of shuffles and adds instead of
+   eight separate reductions. */
+static inline vec transpose_sum(const vec *v) {
+    const vec a0 = __builtin_shufflevector(v[0], v[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+                   __builtin_shufflevector(v[0], v[1], 1, 9, 3, 11, 5, 13, 7, 15);
+    const vec a1 = __builtin_shufflevector(v[2], v[3], 0, 8, 2, 10, 4, 12, 6, 14) +
+                   __builtin_shufflevector(v[2], v[3], 1, 9, 3, 11, 5, 13, 7, 15);
+    const vec a2 = __builtin_shufflevector(v[4], v[5], 0, 8, 2, 10, 4, 12, 6, 14) +
+                   __builtin_shufflevector(v[4], v[5], 1, 9, 3, 11, 5, 13, 7, 15);
+    const vec a3 = __builtin_shufflevector(v[6], v[7], 0, 8, 2, 10, 4, 12, 6, 14) +
+                   __builtin_shufflevector(v[6], v[7], 1, 9, 3, 11, 5, 13, 7, 15);
+    const vec b0 = __builtin_shufflevector(a0, a1, 0, 1, 8, 9, 4, 5, 12, 13) +
+                   __builtin_shufflevector(a0, a1, 2, 3, 10, 11, 6, 7, 14, 15);
+    const vec b1 = __builtin_shufflevector(a2, a3, 0, 1, 8, 9, 4, 5, 12, 13) +
+                   __builtin_shufflevector(a2, a3, 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(b0, b1, 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(b0, b1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
 
 /* Pairwise, so the compiler reduces with vector shuffles instead of a chain of 16 adds. */
 static float lane_sum(float *lanes) {
@@ -36,77 +120,99 @@ static float lane_sum(float *lanes) {
     return lanes[0];
 }
 
-static inline float dot(const float *a, const float *b, int64_t dim) {
-    vec s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-    int64_t c = 0;
-    for (; c + 4 * W <= dim; c += 4 * W) {
-        s0 += load(a + c) * load(b + c);
-        s1 += load(a + c + W) * load(b + c + W);
-        s2 += load(a + c + 2 * W) * load(b + c + 2 * W);
-        s3 += load(a + c + 3 * W) * load(b + c + 3 * W);
-    }
-    for (; c < dim; c += W) s0 += load(a + c) * load(b + c);
-    return hsum((s0 + s1) + (s2 + s3));
-}
-
-/* a[0:dim] += sum over n tokens of p[t] * v[t * stride : + dim], the accumulator in registers. */
-static inline void accumulate(float *a, const float *p, const float *v, int64_t n, int64_t stride, int64_t dim) {
-    int64_t c = 0;
-    for (; c + 4 * W <= dim; c += 4 * W) {
-        vec s0 = load(a + c), s1 = load(a + c + W), s2 = load(a + c + 2 * W), s3 = load(a + c + 3 * W);
-        for (int64_t t = 0; t < n; ++t) {
-            const float *row = v + t * stride + c;
-            s0 += p[t] * load(row);
-            s1 += p[t] * load(row + W);
-            s2 += p[t] * load(row + 2 * W);
-            s3 += p[t] * load(row + 3 * W);
+/* scores[t] = q . k[t * stride : + dim] * scale for n rows of k; returns max(top, scores).
+   Eight tokens at a time: eight independent accumulators keep both FMA units busy, and one
+   transposed reduction replaces eight horizontal ones. */
+static inline float score_rows(const float *restrict q, const float *restrict k, int64_t n, int64_t stride,
+                               int64_t dim, float scale, float *restrict scores, float top) {
+    int64_t t = 0;
+    vec best = {top, top, top, top, top, top, top, top};
+    for (; t + W <= n; t += W) {
+        vec s[W] = {{0}};
+        for (int64_t c = 0; c < dim; c += W) {
+            const vec qc = load(q + c);
+            for (int j = 0; j < W; ++j) s[j] += qc * load(k + (t + j) * stride + c);
         }
-        store(a + c, s0), store(a + c + W, s1), store(a + c + 2 * W, s2), store(a + c + 3 * W, s3);
+        const vec sums = transpose_sum(s) * scale;
+        store(scores + t, sums);
+        const wide_bits above = (wide_bits)(sums > best);
+        best = (vec)(((wide_bits)sums & above) | ((wide_bits)best & ~above));
     }
-    for (; c < dim; c += W) {
-        vec s = load(a + c);
-        for (int64_t t = 0; t < n; ++t) s += p[t] * load(v + t * stride + c);
-        store(a + c, s);
+    for (int j = 0; j < W; ++j) top = best[j] > top ? best[j] : top;
+    for (; t < n; ++t) {
+        vec s = {0};
+        for (int64_t c = 0; c < dim; c += W) s += load(q + c) * load(k + t * stride + c);
+        const float score = hsum(s) * scale;
+        scores[t] = score;
+        top = score > top ? score : top;
+    }
+    return top;
+}
+
+/* a[0:dim] += sum over n tokens of p[t] * v[t * stride : + dim]; up to 128 dims stay in
+   registers (eight or sixteen independent chains). */
+static inline void accumulate(float *restrict a, const float *restrict p, const float *restrict v, int64_t n,
+                              int64_t stride, int64_t dim) {
+    for (int64_t c0 = 0; c0 < dim; c0 += 16 * W) {
+        const int64_t width = dim - c0 < 16 * W ? dim - c0 : 16 * W;
+        vec s[16];
+        for (int64_t c = 0; c < width; c += W) s[c / W] = load(a + c0 + c);
+        for (int64_t t = 0; t < n; ++t)
+            for (int64_t c = 0; c < width; c += W) s[c / W] += p[t] * load(v + t * stride + c0 + c);
+        for (int64_t c = 0; c < width; c += W) store(a + c0 + c, s[c / W]);
     }
 }
 
-/* Asks for the slice [offset, offset + floats) of every row of the block after `index` (if the
+/* Asks for the slice [offset, offset + bytes) of every row of the block after `index` (if the
    context reaches it), to arrive while this block is computed: blocks lie anywhere in the pool,
    where no hardware prefetcher can guess them. */
-static void prefetch_block(const float *cache, const int32_t *table, int64_t index, int64_t len, int64_t block_size,
-                           int64_t num_blocks, int64_t token_stride, int64_t offset, int64_t floats) {
+static void prefetch_block(const char *cache, const int32_t *table, int64_t index, int64_t len, int64_t block_size,
+                           int64_t num_blocks, size_t row_bytes, size_t offset, size_t bytes) {
     if ((index + 1) * block_size >= len) return;
     const int64_t block = table[index + 1];
     if (block < 0 || block >= num_blocks) return;
     for (int64_t t = 0; t < block_size; ++t) {
-        const float *row = cache + (block * block_size + t) * token_stride + offset;
-        for (int64_t f = 0; f < floats; f += 16) __builtin_prefetch(row + f, 0, 3);
+        const char *row = cache + (size_t)(block * block_size + t) * row_bytes + offset;
+        for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
     }
 }
 
-/* One task: `rows` query rows (q, o) over one sequence's first `len` tokens, reading the slice
-   [offset, offset + floats) of each token row. Inlined with head_dim 64 and 128 as constants,
-   so the inner loops unroll fully for the common sizes. */
+/* The float rows of `n` tokens' slice [offset, offset + floats) of one block: in place for a
+   float32 cache (stride token_stride), else widened into `wide` (stride floats). */
+static inline const float *block_rows(const char *cache, int64_t block, int64_t block_size, int64_t token_stride,
+                                      int64_t offset, int64_t floats, int64_t n, int kind, float *wide,
+                                      int64_t *stride) {
+    const size_t size = element_size(kind);
+    const char *base = cache + ((size_t)block * block_size * token_stride + offset) * size;
+    if (kind == F32) {
+        *stride = token_stride;
+        return (const float *)base;
+    }
+    for (int64_t t = 0; t < n; ++t)
+        for (int64_t c = 0; c < floats; c += W) store(wide + t * floats + c, load_as(base + (t * token_stride + c) * size, kind));
+    *stride = floats;
+    return wide;
+}
+
+/* One task: `rows` float query rows (q, o) over one sequence's first `len` tokens, reading the
+   slice [offset, offset + floats) of each token row. Inlined with the cache's kind and head_dim
+   64 and 128 as constants, so the inner loops unroll fully for the common cases. */
 static inline __attribute__((always_inline)) void attend(
-    const float *q, const float *key_cache, const float *value_cache, const int32_t *table, int64_t len, int64_t rows,
+    const float *q, const char *key_cache, const char *value_cache, const int32_t *table, int64_t len, int64_t rows,
     int64_t group, int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t token_stride, int64_t offset,
-    int64_t floats, float scale, float *scores, float *acc, float *o) {
+    int64_t floats, int kind, float scale, float *scores, float *acc, float *wide, float *o) {
     const int64_t used = (len + block_size - 1) / block_size;
+    const size_t size = element_size(kind), row_bytes = (size_t)token_stride * size;
     float *denominators = acc + rows * head_dim;  /* each row's running max first, then its sum */
     for (int64_t r = 0; r < rows; ++r) denominators[r] = -INFINITY;
     for (int64_t b = 0; b < used; ++b) {
-        prefetch_block(key_cache, table, b, len, block_size, num_blocks, token_stride, offset, floats);
-        const float *k = key_cache + table[b] * block_size * token_stride + offset;
+        prefetch_block(key_cache, table, b, len, block_size, num_blocks, row_bytes, offset * size, floats * size);
         const int64_t first = b * block_size, n = len - first < block_size ? len - first : block_size;
-        for (int64_t r = 0; r < rows; ++r) {
-            float top = denominators[r];
-            for (int64_t t = 0; t < n; ++t) {
-                const float score = dot(q + r * head_dim, k + t * token_stride + (r / group) * head_dim, head_dim) * scale;
-                scores[r * len + first + t] = score;
-                top = score > top ? score : top;
-            }
-            denominators[r] = top;
-        }
+        int64_t stride;
+        const float *k = block_rows(key_cache, table[b], block_size, token_stride, offset, floats, n, kind, wide, &stride);
+        for (int64_t r = 0; r < rows; ++r)
+            denominators[r] = score_rows(q + r * head_dim, k + (r / group) * head_dim, n, stride, head_dim, scale,
+                                         scores + r * len + first, denominators[r]);
     }
     for (int64_t r = 0; r < rows; ++r) {
         float *row = scores + r * len;
@@ -126,49 +232,74 @@ static inline __attribute__((always_inline)) void attend(
     }
     memset(acc, 0, sizeof(float) * (size_t)(rows * head_dim));
     for (int64_t b = 0; b < used; ++b) {
-        prefetch_block(value_cache, table, b, len, block_size, num_blocks, token_stride, offset, floats);
-        const float *v = value_cache + table[b] * block_size * token_stride + offset;
+        prefetch_block(value_cache, table, b, len, block_size, num_blocks, row_bytes, offset * size, floats * size);
         const int64_t first = b * block_size, n = len - first < block_size ? len - first : block_size;
+        int64_t stride;
+        const float *v = block_rows(value_cache, table[b], block_size, token_stride, offset, floats, n, kind, wide,
+                                    &stride);
         for (int64_t r = 0; r < rows; ++r)
-            accumulate(acc + r * head_dim, scores + r * len + first, v + (r / group) * head_dim, n, token_stride,
-                       head_dim);
+            accumulate(acc + r * head_dim, scores + r * len + first, v + (r / group) * head_dim, n, stride, head_dim);
     }
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t d = 0; d < head_dim; ++d) o[r * head_dim + d] = acc[r * head_dim + d] / denominators[r];
 }
 
-/* Returns 0, or -1 when a thread could not allocate its scores, or -2 when a block id the
-   context needs is outside [0, num_blocks). `out` is then unspecified. */
-int chatcore_paged_decode_f32(const float *query, const float *key_cache, const float *value_cache,
-                              const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens,
-                              float *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                              int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t max_context,
-                              float scale, int threads) {
+static inline __attribute__((always_inline)) void attend_dim(
+    const float *q, const char *key_cache, const char *value_cache, const int32_t *table, int64_t len, int64_t rows,
+    int64_t group, int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t token_stride, int64_t offset,
+    int64_t floats, int kind, float scale, float *scores, float *acc, float *wide, float *o) {
+    if (head_dim == 64)
+        attend(q, key_cache, value_cache, table, len, rows, group, 64, block_size, num_blocks, token_stride, offset,
+               floats, kind, scale, scores, acc, wide, o);
+    else if (head_dim == 128)
+        attend(q, key_cache, value_cache, table, len, rows, group, 128, block_size, num_blocks, token_stride, offset,
+               floats, kind, scale, scores, acc, wide, o);
+    else
+        attend(q, key_cache, value_cache, table, len, rows, group, head_dim, block_size, num_blocks, token_stride,
+               offset, floats, kind, scale, scores, acc, wide, o);
+}
+
+/* Returns 0, or -1 when a thread could not allocate its buffers, or -2 when a block id the
+   context needs is outside [0, num_blocks), or -3 for a kind this build cannot read. `out`
+   (the query's kind) is then unspecified. */
+int chatcore_paged_decode(const void *query, const void *key_cache, const void *value_cache,
+                          const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens, void *out,
+                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t block_size, int64_t num_blocks, int64_t max_context, float scale, int query_kind,
+                          int cache_kind, int threads) {
+    if ((query_kind == F16 || cache_kind == F16) && !chatcore_has_f16()) return -3;
     const int64_t group = num_heads / num_kv_heads;
     /* A task reads whole token rows (every kv head: one stream per block) when there are
        sequences enough to keep the threads busy, else one kv head's slice of them. */
     const int64_t span = num_seqs >= 4 * threads ? num_kv_heads : 1;
     const int64_t parts = num_kv_heads / span, tasks = num_seqs * parts, rows = span * group;
     const int64_t token_stride = num_kv_heads * head_dim, floats = span * head_dim;
+    const size_t query_size = element_size(query_kind);
     int status = 0;
 #pragma omp parallel num_threads(threads)
     {
         float *scores = malloc(sizeof(float) * (size_t)(rows * (max_context > 0 ? max_context : 1)));
         float *acc = malloc(sizeof(float) * (size_t)(rows * (head_dim + 1)));
-        if (scores == NULL || acc == NULL) {
+        float *rows_in = malloc(sizeof(float) * (size_t)(2 * rows * head_dim));  /* query in, output out */
+        float *wide = cache_kind == F32 ? NULL : malloc(sizeof(float) * (size_t)(block_size * floats));
+        const int ready = scores && acc && rows_in && (cache_kind == F32 || wide);
+        if (!ready) {
 #pragma omp atomic write
             status = -1;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; ++task) {
-            if (scores == NULL || acc == NULL) continue;
+            if (!ready) continue;
             const int64_t seq = task / parts, offset = (task % parts) * span * head_dim;
             const int64_t len = context_lens[seq], used = (len + block_size - 1) / block_size;
-            const float *q = query + seq * num_heads * head_dim + offset * group;
-            float *o = out + seq * num_heads * head_dim + offset * group;
+            const size_t first = (size_t)(seq * num_heads * head_dim + offset * group), count = (size_t)(rows * head_dim);
+            const char *q_in = (const char *)query + first * query_size;
+            char *o_out = (char *)out + first * query_size;
             const int32_t *table = block_tables + seq * table_stride;
-            memset(o, 0, sizeof(float) * (size_t)(rows * head_dim));
-            if (len <= 0) continue;
+            if (len <= 0) {
+                memset(o_out, 0, count * query_size);
+                continue;
+            }
             int bad = 0;
             for (int64_t b = 0; b < used && !bad; ++b) bad = table[b] < 0 || table[b] >= num_blocks;
             if (bad) {
@@ -176,18 +307,30 @@ int chatcore_paged_decode_f32(const float *query, const float *key_cache, const 
                 status = -2;
                 continue;
             }
-            if (head_dim == 64)
-                attend(q, key_cache, value_cache, table, len, rows, group, 64, block_size, num_blocks, token_stride,
-                       offset, floats, scale, scores, acc, o);
-            else if (head_dim == 128)
-                attend(q, key_cache, value_cache, table, len, rows, group, 128, block_size, num_blocks, token_stride,
-                       offset, floats, scale, scores, acc, o);
+            const float *q = (const float *)q_in;
+            float *o = (float *)o_out;
+            if (query_kind != F32) {
+                float *q_wide = rows_in;
+                for (size_t i = 0; i < count; ++i) q_wide[i] = scalar_in(q_in + i * query_size, query_kind);
+                q = q_wide;
+                o = rows_in + count;
+            }
+            if (cache_kind == BF16)
+                attend_dim(q, key_cache, value_cache, table, len, rows, group, head_dim, block_size, num_blocks,
+                           token_stride, offset, floats, BF16, scale, scores, acc, wide, o);
+            else if (cache_kind == F16)
+                attend_dim(q, key_cache, value_cache, table, len, rows, group, head_dim, block_size, num_blocks,
+                           token_stride, offset, floats, F16, scale, scores, acc, wide, o);
             else
-                attend(q, key_cache, value_cache, table, len, rows, group, head_dim, block_size, num_blocks,
-                       token_stride, offset, floats, scale, scores, acc, o);
+                attend_dim(q, key_cache, value_cache, table, len, rows, group, head_dim, block_size, num_blocks,
+                           token_stride, offset, floats, F32, scale, scores, acc, wide, o);
+            if (query_kind != F32)
+                for (size_t i = 0; i < count; ++i) scalar_out(o_out + i * query_size, o[i], query_kind);
         }
         free(scores);
         free(acc);
+        free(rows_in);
+        free(wide);
     }
     return status;
 }

@@ -1,5 +1,8 @@
 """The CPU decode attention in C (`kernels/cpu_decode.c`), built on first use and called through ctypes.
 
+It takes float32, bfloat16 and float16 queries and caches (float16 where the compiler has
+`_Float16`), in any mix, and computes in float32.
+
 The library is compiled once per source, compiler and CPU (`-march=native`, so the key holds the
 CPU's flags) into `$XDG_CACHE_HOME/chatcore/kernels` (default `~/.cache`), written to a
 temporary name and renamed, so concurrent processes never load a half-written file. It links
@@ -34,8 +37,9 @@ LIBS = ("-lmvec", "-lm")
 _ARGTYPES = (
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-    ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int,
+    ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int,
 )
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _cache_dir() -> Path:
@@ -75,7 +79,8 @@ def _build(compiler: str) -> Path:
 
 
 @functools.cache
-def _function() -> Callable[..., int] | None:
+def _library() -> tuple[Callable[..., int], frozenset[torch.dtype]] | None:
+    """The kernel and the dtypes it reads, or None when it cannot be built."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler found: CPU decode attention uses the torch reference (slower)")
@@ -85,22 +90,26 @@ def _function() -> Callable[..., int] | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         log.warning("building kernels/cpu_decode.c failed, CPU decode attention uses the torch reference: %s", error)
         return None
-    function = library.chatcore_paged_decode_f32
+    function = library.chatcore_paged_decode
     function.argtypes = _ARGTYPES
     function.restype = ctypes.c_int
-    return function
+    dtypes = {torch.float32, torch.bfloat16} | ({torch.float16} if library.chatcore_has_f16() else set())
+    return function, frozenset(dtypes)
 
 
 def available() -> bool:
     """Whether the C decode attention is built and loaded (builds it on the first call)."""
-    return _function() is not None
+    return _library() is not None
 
 
 def accepts(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
             context_lens: torch.Tensor) -> bool:
-    """Whether these (already validated) arguments can take the C path: float32 CPU tensors in
-    the layouts it indexes, and no autograd graph to record."""
-    return (query.device.type == "cpu" and query.dtype == torch.float32 and key_cache.dtype == torch.float32
+    """Whether these (already validated) arguments can take the C path: CPU tensors of dtypes it
+    reads, in the layouts it indexes, and no autograd graph to record. Builds the library on the
+    first call."""
+    library = _library()
+    return (library is not None and query.device.type == "cpu" and query.dtype in library[1]
+            and key_cache.dtype in library[1]
             and not (torch.is_grad_enabled() and query.requires_grad)
             and query.is_contiguous() and key_cache.is_contiguous() and value_cache.is_contiguous()
             and query.shape[-1] % 8 == 0 and block_tables.stride(-1) == 1 and context_lens.is_contiguous())
@@ -112,8 +121,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
 
     Raises ValueError when a context is longer than its table row holds or needs a block id
     outside the pool (nothing is read out of bounds)."""
-    function = _function()
-    if function is None:
+    library = _library()
+    if library is None:
         raise RuntimeError("the C decode attention is not available")
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
@@ -122,12 +131,15 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         raise ValueError("a context is longer than its block table holds")
     out = torch.empty_like(query)
     with torch.profiler.record_function(PROFILER_NAME):
-        status = function(
+        status = library[0](
             query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads,
-            head_dim, block_size, num_blocks, max_context, scale, torch.get_num_threads())
+            head_dim, block_size, num_blocks, max_context, scale, _KINDS[query.dtype], _KINDS[key_cache.dtype],
+            torch.get_num_threads())
     if status == -2:
         raise ValueError("a block table entry within a context is outside the cache")
+    if status == -3:
+        raise RuntimeError("this build of the C decode attention cannot read float16")
     if status:
         raise MemoryError("the C decode attention could not allocate its scores")
     return out

@@ -1,5 +1,5 @@
-"""The C decode attention (kernels/cpu_decode.c, the engine's float32 CPU path) against the
-dense oracle, its refusals, and its build fallback."""
+"""The C decode attention (kernels/cpu_decode.c, the engine's CPU decode path) against the
+dense oracle in every dtype mix it reads, its refusals, and its build fallback."""
 
 from __future__ import annotations
 
@@ -21,17 +21,43 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the torch reference serves the CPU")
 
 
-@settings(max_examples=40, deadline=None)
+# (query, cache): the model's dtype with `kv_dtype=auto`, and the narrower caches `kv_dtype` picks.
+DTYPE_MIXES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+               (torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.bfloat16, torch.float16)]
+# The oracle runs in float32 on the same (rounded) inputs: what remains is the output's rounding.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize(("query_dtype", "cache_dtype"), DTYPE_MIXES, ids=lambda d: str(d).removeprefix("torch."))
+@settings(max_examples=25, deadline=None)
 @given(**case_strategies(max_seqs=12, head_dims=(16, 64, 80, 96, 128)))
-def test_decode_matches_dense(lens, num_kv_heads, group, head_dim, block_size, seed):
-    case = make_case(lens, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
-                     block_size=block_size, dtype=torch.float32, seed=seed)
+def test_decode_matches_dense(query_dtype, cache_dtype, lens, num_kv_heads, group, head_dim, block_size, seed):
+    query, key_cache, value_cache, table, context_lens = make_case(
+        lens, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, block_size=block_size,
+        dtype=torch.float32, seed=seed)
+    case = (query.to(query_dtype), key_cache.to(cache_dtype), value_cache.to(cache_dtype), table, context_lens)
+    if not native.accepts(*case):
+        assert cache_dtype == torch.float16 or query_dtype == torch.float16  # a compiler without _Float16
+        return
     scale = head_dim**-0.5
-    assert native.accepts(*case)
     got = native.paged_decode_attention(*case, scale)
-    assert got.shape == case[0].shape and got.dtype == torch.float32
-    torch.testing.assert_close(got, dense_attention(*case, scale), atol=1e-5, rtol=1e-5)
-    assert torch.equal(got[case[4] == 0], torch.zeros_like(got[case[4] == 0]))
+    assert got.shape == query.shape and got.dtype == query_dtype
+    tolerance = TOLERANCE[query_dtype]
+    torch.testing.assert_close(got.float(), dense_attention(*case, scale), atol=tolerance, rtol=tolerance)
+    assert torch.equal(got[context_lens == 0], torch.zeros_like(got[context_lens == 0]))
+
+
+def test_half_precision_output_rounds_to_nearest_even():
+    """bf16 and fp16 outputs are the float32 result rounded as torch rounds it."""
+    query, key_cache, value_cache, table, lens = make_case(
+        [3, 50, 64], num_kv_heads=3, group=3, head_dim=64, block_size=16, dtype=torch.float32, seed=5)
+    exact = native.paged_decode_attention(query, key_cache.bfloat16(), value_cache.bfloat16(), table, lens, 0.125)
+    rounded = native.paged_decode_attention(query.bfloat16(), key_cache.bfloat16(), value_cache.bfloat16(), table,
+                                            lens, 0.125)
+    widened = native.paged_decode_attention(query.bfloat16().float(), key_cache.bfloat16(), value_cache.bfloat16(),
+                                            table, lens, 0.125)
+    assert not torch.equal(exact, widened)  # the query really was rounded on the way in
+    assert torch.equal(rounded, widened.bfloat16())
 
 
 def test_long_contexts_and_a_strided_table_row():
@@ -76,11 +102,10 @@ def test_what_the_c_path_declines_goes_to_the_reference(monkeypatch):
     case = make_case([5, 40], num_kv_heads=2, group=2, head_dim=16, block_size=8, dtype=torch.float32)
     query, key_cache, value_cache, table, lens = case
     assert torch.equal(kernels.paged_decode_attention(*case, 0.25), native.paged_decode_attention(*case, 0.25))
-    half = (query.half(), key_cache.half(), value_cache.half(), table, lens)
-    fp32_query_half_cache = (query, key_cache.half(), value_cache.half(), table, lens)
     odd_dim = make_case([5, 40], num_kv_heads=2, group=2, head_dim=12, block_size=8, dtype=torch.float32)
     grad_query = query.clone().requires_grad_()
-    for args in (half, fp32_query_half_cache, odd_dim, (grad_query, *case[1:])):
+    strided_cache = (query, key_cache.transpose(1, 2).contiguous().transpose(1, 2), value_cache, table, lens)
+    for args in (odd_dim, (grad_query, *case[1:]), strided_cache):
         assert not native.accepts(*args)
         assert torch.equal(kernels.paged_decode_attention(*args, 0.25), reference.paged_decode_attention(*args, 0.25))
 
