@@ -163,6 +163,67 @@ static inline void accumulate(float *restrict a, const float *restrict p, const 
     }
 }
 
+/* bfloat16 rows are read in place as 32-bit words, each holding two neighbours: the even
+   element as a float is the word shifted up 16 bits, the odd one the word with its low half
+   cleared. The query is split into its even and odd elements once per task (qe, qo), and the
+   value sums are kept the same way (ae, ao), so no row is ever widened into memory. Requires
+   head_dim % 16 == 0 (eight words a vector; kernels/native.py checks). */
+typedef uint32_t words_unaligned __attribute__((vector_size(32), aligned(4)));
+static inline vec even_of(wide_bits w) { return (vec)(w << 16); }
+static inline vec odd_of(wide_bits w) { return (vec)(w & 0xffff0000u); }
+static inline wide_bits load_words(const uint32_t *p) { return *(const words_unaligned *)p; }
+
+static inline float score_rows_bf16(const float *restrict qe, const float *restrict qo, const uint32_t *restrict k,
+                                    int64_t n, int64_t stride, int64_t words, float scale, float *restrict scores,
+                                    float top) {
+    int64_t t = 0;
+    vec best = {top, top, top, top, top, top, top, top};
+    for (; t + W <= n; t += W) {
+        vec s[W] = {{0}};
+        for (int64_t c = 0; c < words; c += W) {
+            const vec e = load(qe + c), o = load(qo + c);
+            for (int j = 0; j < W; ++j) {
+                const wide_bits w = load_words(k + (t + j) * stride + c);
+                s[j] += e * even_of(w);
+                s[j] += o * odd_of(w);
+            }
+        }
+        const vec sums = transpose_sum(s) * scale;
+        store(scores + t, sums);
+        const wide_bits above = (wide_bits)(sums > best);
+        best = (vec)(((wide_bits)sums & above) | ((wide_bits)best & ~above));
+    }
+    for (int j = 0; j < W; ++j) top = best[j] > top ? best[j] : top;
+    for (; t < n; ++t) {
+        vec s = {0};
+        for (int64_t c = 0; c < words; c += W) {
+            const wide_bits w = load_words(k + t * stride + c);
+            s += load(qe + c) * even_of(w);
+            s += load(qo + c) * odd_of(w);
+        }
+        const float score = hsum(s) * scale;
+        scores[t] = score;
+        top = score > top ? score : top;
+    }
+    return top;
+}
+
+static inline void accumulate_bf16(float *restrict ae, float *restrict ao, const float *restrict p,
+                                   const uint32_t *restrict v, int64_t n, int64_t stride, int64_t words) {
+    for (int64_t c0 = 0; c0 < words; c0 += 8 * W) {
+        const int64_t width = words - c0 < 8 * W ? words - c0 : 8 * W;
+        vec e[8], o[8];
+        for (int64_t c = 0; c < width; c += W) e[c / W] = load(ae + c0 + c), o[c / W] = load(ao + c0 + c);
+        for (int64_t t = 0; t < n; ++t)
+            for (int64_t c = 0; c < width; c += W) {
+                const wide_bits w = load_words(v + t * stride + c0 + c);
+                e[c / W] += p[t] * even_of(w);
+                o[c / W] += p[t] * odd_of(w);
+            }
+        for (int64_t c = 0; c < width; c += W) store(ae + c0 + c, e[c / W]), store(ao + c0 + c, o[c / W]);
+    }
+}
+
 /* Asks for the slice [offset, offset + bytes) of every row of the block after `index` (if the
    context reaches it), to arrive while this block is computed: blocks lie anywhere in the pool,
    where no hardware prefetcher can guess them. */
@@ -201,13 +262,25 @@ static inline __attribute__((always_inline)) void attend(
     const float *q, const char *key_cache, const char *value_cache, const int32_t *table, int64_t len, int64_t rows,
     int64_t group, int64_t head_dim, int64_t block_size, int64_t num_blocks, int64_t token_stride, int64_t offset,
     int64_t floats, int kind, float scale, float *scores, float *acc, float *wide, float *o) {
-    const int64_t used = (len + block_size - 1) / block_size;
+    const int64_t used = (len + block_size - 1) / block_size, half = head_dim / 2;
     const size_t size = element_size(kind), row_bytes = (size_t)token_stride * size;
     float *denominators = acc + rows * head_dim;  /* each row's running max first, then its sum */
     for (int64_t r = 0; r < rows; ++r) denominators[r] = -INFINITY;
+    if (kind == BF16)  /* wide holds each query row's even elements, then its odd ones */
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t i = 0; i < half; ++i)
+                wide[r * head_dim + i] = q[r * head_dim + 2 * i], wide[r * head_dim + half + i] = q[r * head_dim + 2 * i + 1];
     for (int64_t b = 0; b < used; ++b) {
         prefetch_block(key_cache, table, b, len, block_size, num_blocks, row_bytes, offset * size, floats * size);
         const int64_t first = b * block_size, n = len - first < block_size ? len - first : block_size;
+        if (kind == BF16) {
+            const uint32_t *k = (const uint32_t *)key_cache + ((size_t)table[b] * block_size * token_stride + offset) / 2;
+            for (int64_t r = 0; r < rows; ++r)
+                denominators[r] = score_rows_bf16(wide + r * head_dim, wide + r * head_dim + half,
+                                                  k + (r / group) * half, n, token_stride / 2, half, scale,
+                                                  scores + r * len + first, denominators[r]);
+            continue;
+        }
         int64_t stride;
         const float *k = block_rows(key_cache, table[b], block_size, token_stride, offset, floats, n, kind, wide, &stride);
         for (int64_t r = 0; r < rows; ++r)
@@ -234,6 +307,13 @@ static inline __attribute__((always_inline)) void attend(
     for (int64_t b = 0; b < used; ++b) {
         prefetch_block(value_cache, table, b, len, block_size, num_blocks, row_bytes, offset * size, floats * size);
         const int64_t first = b * block_size, n = len - first < block_size ? len - first : block_size;
+        if (kind == BF16) {
+            const uint32_t *v = (const uint32_t *)value_cache + ((size_t)table[b] * block_size * token_stride + offset) / 2;
+            for (int64_t r = 0; r < rows; ++r)
+                accumulate_bf16(acc + r * head_dim, acc + r * head_dim + half, scores + r * len + first,
+                                v + (r / group) * half, n, token_stride / 2, half);
+            continue;
+        }
         int64_t stride;
         const float *v = block_rows(value_cache, table[b], block_size, token_stride, offset, floats, n, kind, wide,
                                     &stride);
@@ -241,7 +321,10 @@ static inline __attribute__((always_inline)) void attend(
             accumulate(acc + r * head_dim, scores + r * len + first, v + (r / group) * head_dim, n, stride, head_dim);
     }
     for (int64_t r = 0; r < rows; ++r)
-        for (int64_t d = 0; d < head_dim; ++d) o[r * head_dim + d] = acc[r * head_dim + d] / denominators[r];
+        for (int64_t d = 0; d < head_dim; ++d) {
+            const int64_t from = kind == BF16 ? (d % 2) * half + d / 2 : d;  /* bf16: re-interleave */
+            o[r * head_dim + d] = acc[r * head_dim + from] / denominators[r];
+        }
 }
 
 static inline __attribute__((always_inline)) void attend_dim(
@@ -281,7 +364,9 @@ int chatcore_paged_decode(const void *query, const void *key_cache, const void *
         float *scores = malloc(sizeof(float) * (size_t)(rows * (max_context > 0 ? max_context : 1)));
         float *acc = malloc(sizeof(float) * (size_t)(rows * (head_dim + 1)));
         float *rows_in = malloc(sizeof(float) * (size_t)(2 * rows * head_dim));  /* query in, output out */
-        float *wide = cache_kind == F32 ? NULL : malloc(sizeof(float) * (size_t)(block_size * floats));
+        /* f16: one block's widened rows; bf16: the task's query rows split into even and odd */
+        const size_t wide_floats = (size_t)(cache_kind == F16 ? block_size * floats : rows * head_dim);
+        float *wide = cache_kind == F32 ? NULL : malloc(sizeof(float) * wide_floats);
         const int ready = scores && acc && rows_in && (cache_kind == F32 || wide);
         if (!ready) {
 #pragma omp atomic write

@@ -112,7 +112,8 @@ def accepts(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
             and key_cache.dtype in library[1]
             and not (torch.is_grad_enabled() and query.requires_grad)
             and query.is_contiguous() and key_cache.is_contiguous() and value_cache.is_contiguous()
-            and query.shape[-1] % 8 == 0 and block_tables.stride(-1) == 1 and context_lens.is_contiguous())
+            and query.shape[-1] % (16 if key_cache.dtype == torch.bfloat16 else 8) == 0
+            and block_tables.stride(-1) == 1 and context_lens.is_contiguous())
 
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

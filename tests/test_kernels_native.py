@@ -60,12 +60,13 @@ def test_half_precision_output_rounds_to_nearest_even():
     assert torch.equal(rounded, widened.bfloat16())
 
 
-def test_long_contexts_and_a_strided_table_row():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_long_contexts_and_a_strided_table_row(dtype):
     """Contexts across many blocks (the prefetch of the next block), table rows taken from a
     wider buffer (the engine's packed step metadata), every kv head split per task and whole."""
     lens = [1, 16, 17, 700, 1500, 2048]
     query, key_cache, value_cache, table, context_lens = make_case(
-        lens, num_kv_heads=3, group=3, head_dim=64, block_size=16, dtype=torch.float32)
+        lens, num_kv_heads=3, group=3, head_dim=64, block_size=16, dtype=dtype)
     wide = torch.full((len(lens), table.shape[1] + 5), 7, dtype=torch.int32)
     wide[:, : table.shape[1]] = table
     strided = wide[:, : table.shape[1]]
@@ -79,7 +80,7 @@ def test_long_contexts_and_a_strided_table_row():
             got = native.paged_decode_attention(query, key_cache, value_cache, strided, context_lens, 0.125)
         finally:
             torch.set_num_threads(previous)
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
         if threads == 1:
             first = got
     assert torch.equal(got, first)  # each row sums in one fixed order, whatever the task split
@@ -103,9 +104,11 @@ def test_what_the_c_path_declines_goes_to_the_reference(monkeypatch):
     query, key_cache, value_cache, table, lens = case
     assert torch.equal(kernels.paged_decode_attention(*case, 0.25), native.paged_decode_attention(*case, 0.25))
     odd_dim = make_case([5, 40], num_kv_heads=2, group=2, head_dim=12, block_size=8, dtype=torch.float32)
+    # bfloat16 caches are read two elements a word, eight words a vector: head_dim % 16
+    odd_bf16 = make_case([5, 40], num_kv_heads=2, group=2, head_dim=24, block_size=8, dtype=torch.bfloat16)
     grad_query = query.clone().requires_grad_()
     strided_cache = (query, key_cache.transpose(1, 2).contiguous().transpose(1, 2), value_cache, table, lens)
-    for args in (odd_dim, (grad_query, *case[1:]), strided_cache):
+    for args in (odd_dim, odd_bf16, (grad_query, *case[1:]), strided_cache):
         assert not native.accepts(*args)
         assert torch.equal(kernels.paged_decode_attention(*args, 0.25), reference.paged_decode_attention(*args, 0.25))
 
