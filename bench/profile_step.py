@@ -7,7 +7,7 @@ Wall-clock timers around the engine's parts split a step into the model body, th
 step's metadata (the runner's time outside the model), scheduling, sampling with detokenizing,
 and the rest. Every seventh step runs under `torch.profiler` instead (not timed) to split the
 forward's own ops into matmuls, attention math, K/V gathers and writes, and other ops. The C
-decode attention (kernels/native.py, float32 on the CPU) reads K/V in place: it counts as
+decode attention (kernels/native.py, the CPU's decode in every dtype) reads K/V in place: it counts as
 attention math.
 """
 
