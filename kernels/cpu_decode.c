@@ -120,6 +120,14 @@ static float lane_sum(float *lanes) {
     return lanes[0];
 }
 
+/* Stores eight tokens' scaled scores from their accumulators; returns the lanewise max with best. */
+static inline vec store_scores(float *scores, const vec *s, float scale, vec best) {
+    const vec sums = transpose_sum(s) * scale;
+    store(scores, sums);
+    const wide_bits above = (wide_bits)(sums > best);
+    return (vec)(((wide_bits)sums & above) | ((wide_bits)best & ~above));
+}
+
 /* scores[t] = q . k[t * stride : + dim] * scale for n rows of k; returns max(top, scores).
    Eight tokens at a time: eight independent accumulators keep both FMA units busy, and one
    transposed reduction replaces eight horizontal ones. */
@@ -133,10 +141,7 @@ static inline float score_rows(const float *restrict q, const float *restrict k,
             const vec qc = load(q + c);
             for (int j = 0; j < W; ++j) s[j] += qc * load(k + (t + j) * stride + c);
         }
-        const vec sums = transpose_sum(s) * scale;
-        store(scores + t, sums);
-        const wide_bits above = (wide_bits)(sums > best);
-        best = (vec)(((wide_bits)sums & above) | ((wide_bits)best & ~above));
+        best = store_scores(scores + t, s, scale, best);
     }
     for (int j = 0; j < W; ++j) top = best[j] > top ? best[j] : top;
     for (; t < n; ++t) {
@@ -188,10 +193,7 @@ static inline float score_rows_bf16(const float *restrict qe, const float *restr
                 s[j] += o * odd_of(w);
             }
         }
-        const vec sums = transpose_sum(s) * scale;
-        store(scores + t, sums);
-        const wide_bits above = (wide_bits)(sums > best);
-        best = (vec)(((wide_bits)sums & above) | ((wide_bits)best & ~above));
+        best = store_scores(scores + t, s, scale, best);
     }
     for (int j = 0; j < W; ++j) top = best[j] > top ? best[j] : top;
     for (; t < n; ++t) {
