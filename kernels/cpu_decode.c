@@ -26,7 +26,6 @@ __attribute__((__simd__("notinbranch"))) float expf(float);
    unaligned variant; head_dim must be a multiple of 8 (kernels/native.py checks). */
 typedef float vec __attribute__((vector_size(32)));
 typedef float vec_unaligned __attribute__((vector_size(32), aligned(4)));
-typedef uint16_t half_bits __attribute__((vector_size(16), aligned(2)));
 typedef uint32_t wide_bits __attribute__((vector_size(32)));
 #define W 8
 
@@ -42,13 +41,15 @@ int chatcore_has_f16(void) { return 0; }
 static inline vec load(const float *p) { return *(const vec_unaligned *)p; }
 static inline void store(float *p, vec v) { *(vec_unaligned *)p = v; }
 
-/* Eight elements of `kind` from p, widened to float (bf16: the high half of a float's bits). */
-static inline vec load_as(const char *p, int kind) {
-    if (kind == BF16) return (vec)(__builtin_convertvector(*(const half_bits *)p, wide_bits) << 16);
+/* Eight float16 elements from p, widened to float. Without _Float16 no float16 call gets here
+   (chatcore_paged_decode returns -3 first). */
+static inline vec load_f16(const char *p) {
 #ifdef __FLT16_MAX__
-    if (kind == F16) return __builtin_convertvector(*(const f16x8 *)p, vec);
+    return __builtin_convertvector(*(const f16x8 *)p, vec);
+#else
+    (void)p;
+    return (vec){0};
 #endif
-    return load((const float *)p);
 }
 
 static inline size_t element_size(int kind) { return kind == F32 ? 4 : 2; }
@@ -241,7 +242,8 @@ static void prefetch_block(const char *cache, const int32_t *table, int64_t inde
 }
 
 /* The float rows of `n` tokens' slice [offset, offset + floats) of one block: in place for a
-   float32 cache (stride token_stride), else widened into `wide` (stride floats). */
+   float32 cache (stride token_stride), float16 widened into `wide` (stride floats). bfloat16
+   never comes here: it is read in place as words. */
 static inline const float *block_rows(const char *cache, int64_t block, int64_t block_size, int64_t token_stride,
                                       int64_t offset, int64_t floats, int64_t n, int kind, float *wide,
                                       int64_t *stride) {
@@ -252,7 +254,7 @@ static inline const float *block_rows(const char *cache, int64_t block, int64_t 
         return (const float *)base;
     }
     for (int64_t t = 0; t < n; ++t)
-        for (int64_t c = 0; c < floats; c += W) store(wide + t * floats + c, load_as(base + (t * token_stride + c) * size, kind));
+        for (int64_t c = 0; c < floats; c += W) store(wide + t * floats + c, load_f16(base + (t * token_stride + c) * size));
     *stride = floats;
     return wide;
 }
