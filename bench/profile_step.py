@@ -33,7 +33,7 @@ from chatcore.models.loader import load_model
 from kernels import native
 
 OP_GROUPS = {
-    "matmul": {"aten::mm", "aten::addmm", "aten::bmm"},
+    "matmul": {"aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"},
     "attention math": {"aten::_softmax", "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::masked_fill_",
                        "aten::exp", "aten::amax", "aten::sub", "aten::div_", "aten::baddbmm", native.PROFILER_NAME},
     "K/V gather and write": {"aten::index", "aten::index_put_", "aten::_index_put_impl_", "aten::index_select",
@@ -59,8 +59,9 @@ class Timers:
 
 def _op_split(prof: Any) -> collections.Counter[str]:
     split: collections.Counter[str] = collections.Counter()
+    named = set().union(*OP_GROUPS.values())
     for event in prof.key_averages():
-        if event.key.startswith("aten::") or event.key == native.PROFILER_NAME:
+        if event.key.startswith("aten::") or event.key in named:
             group = next((g for g, names in OP_GROUPS.items() if event.key in names), "other ops")
             split[group] += event.self_cpu_time_total / 1e6
     return split

@@ -1,14 +1,16 @@
-"""Float32 linear weights are re-stored column-major on the CPU; the model computes the same."""
+"""Linear weights are re-stored for the CPU's GEMM (float32 column-major, bfloat16 packed for
+oneDNN); the model computes the same bits."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from chatcore.config import Settings
 from chatcore.models.loader import load_model
-from chatcore.models.weight_layout import store_linears_transposed
+from chatcore.models.weight_layout import PackedLinear, _packed_gemm_matches, pack_bfloat16_linears, store_linears_transposed
 from tests.tiny_models import save_tiny_model
 
 
@@ -42,8 +44,44 @@ def test_moving_weights_changes_no_output(tmp_path: Path) -> None:
     assert store_linears_transposed(moved) == 0  # already moved: nothing to do
 
 
-def test_half_precision_weights_stay_row_major(tmp_path: Path) -> None:
+def test_float16_weights_stay_row_major(tmp_path: Path) -> None:
     folder = save_tiny_model(tmp_path / "llama", "llama")
-    for dtype in ("float16", "bfloat16"):
-        loaded = load_model(Settings(model=str(folder), dtype=dtype, device="cpu"))
-        assert all(linear.weight.is_contiguous() for linear in _linears(loaded.model))
+    loaded = load_model(Settings(model=str(folder), dtype="float16", device="cpu"))
+    assert all(type(linear) is torch.nn.Linear and linear.weight.is_contiguous() for linear in _linears(loaded.model))
+
+
+def _bfloat16_packing_here() -> bool:
+    return _packed_gemm_matches(torch.randn(64, 32).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_bfloat16_linears_compute_the_same_bits(tmp_path: Path, tied: bool) -> None:
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny_model(tmp_path / "llama", "llama", tie_word_embeddings=tied)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    packed = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    count = pack_bfloat16_linears(packed)
+    if not _bfloat16_packing_here():
+        assert count == 0 and not any(isinstance(m, PackedLinear) for m in packed.modules())
+        pytest.skip("oneDNN has no bfloat16 GEMM matching F.linear on this CPU: nothing is packed")
+    assert count == len(_linears(packed)) == 2 * 7 + 1
+    ids = torch.randint(3, 250, (3, 40))
+    with torch.inference_mode():
+        assert torch.equal(packed(ids).logits, reference(ids).logits)
+        assert torch.equal(packed(ids[:1, :1]).logits, reference(ids[:1, :1]).logits)
+    head, embed = packed.get_output_embeddings(), packed.get_input_embeddings()
+    assert (head.weight is embed.weight) == tied
+    for linear in _linears(packed):
+        assert isinstance(linear, PackedLinear) and linear.weight.shape == (linear.out_features, linear.in_features)
+        # Only the packed copy holds values, except the head's weight, which the embedding still reads.
+        assert (linear.weight.stride() == (0, 0)) == (linear is not head or not tied)
+    assert torch.equal(embed.weight, reference.get_input_embeddings().weight)
+    assert pack_bfloat16_linears(packed) == 0  # already packed: nothing to do
+
+
+def test_loader_packs_bfloat16_linears_where_the_cpu_matches(tmp_path: Path) -> None:
+    folder = save_tiny_model(tmp_path / "llama", "llama")
+    loaded = load_model(Settings(model=str(folder), dtype="bfloat16", device="cpu"))
+    packed = [isinstance(linear, PackedLinear) for linear in _linears(loaded.model)]
+    assert all(packed) if _bfloat16_packing_here() else not any(packed)
