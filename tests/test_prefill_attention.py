@@ -73,7 +73,11 @@ def test_chunks_packed_in_one_step_each_attend_over_their_own_blocks() -> None:
 
 @pytest.mark.parametrize("start", [200, 2600])  # under and past CASCADE_MIN_WORK with 40 tokens
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_continuation_in_half_precision(dtype: torch.dtype, start: int) -> None:
+@pytest.mark.parametrize("gemms", [True, False], ids=["continuation GEMMs", "masked SDPA"])
+def test_continuation_in_half_precision(dtype: torch.dtype, start: int, gemms: bool,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Either path a CPU takes for half precision (by whether it has AMX tiles)."""
+    monkeypatch.setattr(paged_attention, "HALF_CONTINUATION_GEMMS", gemms)
     q, kc, vc, table, meta = _case(start, 40, 9, 3, dtype, seed=1)
     scale = 64 ** -0.5
     expected = _masked(q, kc, vc, table[0], start, scale)
@@ -82,8 +86,9 @@ def test_continuation_in_half_precision(dtype: torch.dtype, start: int) -> None:
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
 
 
-def test_a_result_never_aliases_the_reused_buffers() -> None:
-    """bf16 continuations take `_continuation_attention`, which reuses its score buffers."""
+def test_a_result_never_aliases_the_reused_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 continuations without AMX take `_continuation_attention`, which reuses its score buffers."""
+    monkeypatch.setattr(paged_attention, "HALF_CONTINUATION_GEMMS", True)
     q, kc, vc, _, meta = _case(48, 8, 9, 3, torch.bfloat16)
     first = _prefill_attention(q, kc, vc, meta, 0.125)
     kept = first.clone()

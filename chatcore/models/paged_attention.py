@@ -38,6 +38,7 @@ from chatcore.models.support import AttentionProbe
 ATTENTION_NAME = "chatcore_paged"
 CONTINUATION_MAX_SCORES = 1 << 23  # heads x chunk x context: 32 MB of fp32 scores
 CASCADE_MIN_WORK = 200_000  # cached x chunk tokens from which `_cascade_attention` pays (CPU, float32)
+HALF_CONTINUATION_GEMMS = not torch.cpu._is_amx_tile_supported()  # see `_chunk_attention`
 
 
 @dataclass(slots=True)
@@ -86,10 +87,13 @@ def _chunk_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
 
     A chunk that starts its sequence is plain causal attention (SDPA's fused kernels, no mask).
     One that continues cached tokens needs the causal mask shifted by `start`: SDPA with that
-    mask, except on the CPU, where measurement chose by dtype. In bf16 (an AVX-512 machine with
-    bf16 matmuls) `_continuation_attention`'s GEMMs ran 1.3-2.2x faster than SDPA's masked flash
-    kernel; in float32 (AVX-512 without bf16, 2026-12-01) they ran slower than SDPA at every
-    size tried, and `_cascade_attention` beat SDPA from `CASCADE_MIN_WORK` (docs/architecture.md).
+    mask, except on the CPU, where measurement chose by dtype and CPU. In bf16 on an AMD EPYC with
+    avx512_bf16 and no AMX, `_continuation_attention`'s GEMMs ran 1.3-2.2x faster than SDPA's
+    masked flash kernel; on a Xeon with AMX tiles SDPA ran 1.8-2.3x faster than them in bf16
+    (84 tokens after 400-2,000 cached: 0.25-1.02 ms a layer against 0.57-1.83; 2026-12-02) and
+    1.0-1.4x in float16, so half precision takes SDPA there (`HALF_CONTINUATION_GEMMS`). In
+    float32 (AVX-512 without bf16, 2026-12-01) the GEMMs ran slower than SDPA at every size
+    tried, and `_cascade_attention` beat SDPA from `CASCADE_MIN_WORK` (docs/architecture.md).
     """
     tokens, heads, _ = q.shape
     length = start + tokens
@@ -98,7 +102,7 @@ def _chunk_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     values = value_cache[blocks].flatten(0, 1)[:length].to(q.dtype)
     if start and q.device.type == "cpu":
         if q.dtype != torch.float32:
-            if not q.requires_grad and heads * tokens * length <= CONTINUATION_MAX_SCORES:
+            if HALF_CONTINUATION_GEMMS and not q.requires_grad and heads * tokens * length <= CONTINUATION_MAX_SCORES:
                 return _continuation_attention(q, keys, values, start, scale)
         elif start * tokens >= CASCADE_MIN_WORK:
             return _cascade_attention(q, keys, values, start, scale)
