@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from chatcore import openmp
 from chatcore.cache.pool import PoolStats
 from chatcore.config import Settings
 from chatcore.engine.block_ops import BlockOps
@@ -89,6 +90,7 @@ class InferenceEngine:
         if settings.threads:
             torch.set_num_threads(settings.threads)
         engine = cls(EngineCore(loaded or load_model(settings), settings), reclaim)
+        openmp.release_team()  # building the core ran parallel ops here; the engine thread computes
         engine.start()
         return engine
 

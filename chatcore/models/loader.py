@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from chatcore import openmp
 from chatcore.config import DEFAULT_MODEL, Settings
 from chatcore.models import paged_attention, support
 from chatcore.models.device import resolve_device, resolve_dtype
@@ -107,6 +108,7 @@ def load_model(settings: Settings) -> LoadedModel:
     store_linears_transposed(model)
     profile = _profile(model, settings.model)
     pack_bfloat16_linears(model)
+    openmp.release_team()  # the engine may compute on another thread (chatcore/openmp.py)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -11,6 +11,7 @@ import sys
 import uvicorn
 from sqlalchemy.exc import DBAPIError
 
+from chatcore import openmp
 from chatcore.config import Settings
 from chatcore.logs import configure_logging
 from chatcore.store.db import create_engine, create_sessionmaker
@@ -90,6 +91,7 @@ def serve_command(settings: Settings) -> int:
 
     # Loaded before anything binds: a model refused at load (models/support.py) is one line and exit 2.
     app = create_app(settings, load_model(settings))
+    openmp.single_threaded()  # the event loop's thread: the engine's thread computes (chatcore/openmp.py)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             log_config=None,  # uvicorn's records go to the root logger's format
                             ws_max_size=settings.max_frame_bytes * 4, timeout_graceful_shutdown=10)

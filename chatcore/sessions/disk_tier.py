@@ -28,6 +28,7 @@ import torch
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from chatcore import openmp
 from chatcore.cache.forecast import ReuseForecast
 from chatcore.kv.disk import DiskBlocks
 from chatcore.store.repos import Repos
@@ -47,7 +48,8 @@ class DiskTier:
         self.clock = clock
         # Reads are on a turn's critical path; writes and deletes are not, and their hashing and
         # copying would otherwise take CPU from the engine's step (see `_background_priority`).
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatcore-disk-read")
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatcore-disk-read",
+                                          initializer=openmp.single_threaded)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatcore-disk-write",
                                           initializer=_background_priority)
         self._known: set[bytes] = set()
@@ -226,7 +228,8 @@ class DiskTier:
 def _background_priority() -> None:
     """Lower the calling thread's CPU priority (Linux sets nice per thread): the write-through runs
     beside the next turn's prefill, and on a machine with few cores it would slow every thread of
-    the step's matmuls."""
+    the step's matmuls. Its tensor ops run on itself alone (chatcore/openmp.py)."""
+    openmp.single_threaded()
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
     except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
