@@ -58,8 +58,10 @@ def test_the_victim_changes_when_it_is_used_again_and_blocks_move_with_claims() 
     assert forecast.owner("a1") is None and len(forecast) == 1
 
 
-def replay(policy: str, sessions: int, turns: int, capacity: int) -> tuple[list[float], BlockPool]:
-    """Round robin over `sessions`, one turn at a time; per turn, the token hit rate."""
+def replay(policy: str, sessions: int, turns: int, capacity: int,
+           slowdown: float = 1.0) -> tuple[list[float], BlockPool]:
+    """Round robin over `sessions`, one turn at a time; per turn, the token hit rate. Each round's
+    turns take `slowdown` times as long as the last round's (histories grow, turns slow down)."""
     clock = [0.0]
     pool = BlockPool(capacity, BS, low_watermark=0.0, high_watermark=0.0, eviction=policy,
                      clock=lambda: clock[0])
@@ -67,10 +69,10 @@ def replay(policy: str, sessions: int, turns: int, capacity: int) -> tuple[list[
     system = [rng.randrange(1000) for _ in range(2 * BS)]
     histories = {s: list(system) for s in range(sessions)}
     rates: list[float] = []
-    for _turn in range(turns):
+    for turn in range(turns):
         hit = total = 0
         for s in range(sessions):
-            clock[0] += 1.0
+            clock[0] += slowdown ** turn
             prompt = histories[s] + [rng.randrange(1000) for _ in range(3 * BS - 1)]
             ids, hashes = longest_prefix(pool.find, prompt, BS, SALT, (len(prompt) - 1) // BS)
             table = BlockTable.from_prefix(pool, ids, hashes, owner=f"s{s}")
@@ -101,3 +103,16 @@ def test_a_cyclic_trace_keeps_some_conversations_whole_where_lru_keeps_none(sess
     assert max(lru[-2:]) < 0.2
     assert min(ours[-2:]) > 0.6
     assert sum(ours[-2:]) > 4 * sum(lru[-2:])
+
+
+@pytest.mark.parametrize("slowdown", [1.1, 1.3])
+def test_a_cycle_that_slows_down_still_keeps_conversations_whole(slowdown: float) -> None:
+    """Each round takes longer than the last, so every conversation comes back a little after its
+    average gap. Being late by less than a gap is not being gone: the next in line must not become
+    the victim (which would make the policy LRU again)."""
+    sessions, turns = 32, 8
+    capacity = (2 + sessions * 4 * turns) * 2 // 3
+    lru, _ = replay("lru", sessions, turns, capacity, slowdown)
+    ours, _ = replay("session", sessions, turns, capacity, slowdown)
+    assert max(lru[-2:]) < 0.2
+    assert min(ours[-2:]) > 0.6
