@@ -7,6 +7,11 @@ from pathlib import Path
 
 import pytest
 
+# Before anything imports torch (libgomp reads it once): `make test` runs two workers on two
+# cores, and OpenMP workers that spin-wait between parallel ops take the CPU the other worker's
+# threads need (chatcore/openmp.py). Measured 2026-12-02: test files 2.9-3.9x slower spinning.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 pytest_plugins = ["tests.openai_fixtures", "tests.bench_fixtures"]
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
