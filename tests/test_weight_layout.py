@@ -10,7 +10,12 @@ import torch
 
 from chatcore.config import Settings
 from chatcore.models.loader import load_model
-from chatcore.models.weight_layout import PackedLinear, _packed_gemm_matches, pack_bfloat16_linears, store_linears_transposed
+from chatcore.models.weight_layout import (
+    PackedLinear,
+    _packed_gemm_matches,
+    pack_bfloat16_linears,
+    store_linears_transposed,
+)
 from tests.tiny_models import save_tiny_model
 
 

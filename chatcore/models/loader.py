@@ -26,7 +26,10 @@ from chatcore.models import paged_attention, support
 from chatcore.models.device import resolve_device, resolve_dtype
 from chatcore.models.errors import ModelNotFound, UnsupportedModel
 from chatcore.models.hub import is_hub_id, resolve_hub_id
-from chatcore.models.weight_layout import pack_bfloat16_linears, store_linears_transposed
+from chatcore.models.weight_layout import (
+    pack_bfloat16_linears,
+    store_linears_transposed,
+)
 
 FINGERPRINT_HEAD_BYTES = 1 << 20
 log = logging.getLogger(__name__)
