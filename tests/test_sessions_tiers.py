@@ -204,3 +204,77 @@ async def test_a_turn_prefetches_the_session_expected_back_next(make_services) -
     assert await cached_blocks(b) == 0
     done = await run_turn(services, c, "And now?")
     assert done["usage"]["cached_disk_tokens"] == loaded and done["usage"]["cached_tokens"] >= loaded
+
+
+async def test_a_conversation_expected_back_last_does_not_write_what_the_budget_would_delete(tmp_path) -> None:
+    tier, block_bytes = await disk_tier(tmp_path, blocks_budget=10)
+    try:
+        root = bytes([200]) * 16
+        chains = {name: [root] + [bytes([i, k]) * 8 for k in range(3)] for i, name in enumerate("abcd")}
+        written: dict[tuple[int, str], int] = {}
+        for turn in range(3):
+            if turn == 2:
+                tier.budget_bytes += 2 * block_bytes
+            for k, (name, chain) in enumerate(chains.items()):
+                tier.clock = lambda t=4.0 * turn + k: t  # a turn a second, however often the tier reads it
+                tier.claim(name, chain)
+                new = await tier.filter_unknown(chain)
+                todo = await tier.worth_writing(name, new)
+                assert todo == new[: len(todo)]  # a leading part: the root side is kept
+                written[turn, name] = await tier.save([(h, block(i)) for i, h in enumerate(todo)])
+        # Round 1 writes everything (no rhythm yet: d's write makes a, the oldest, the victim).
+        # In round 2, a lost its 3 blocks and is, once it claims again, the conversation expected
+        # back last: writing them would only delete them again. b, c and d have nothing new.
+        # In round 3 the budget has room for 2 more blocks: a writes its first two, not its tail.
+        assert [written[0, n] for n in "abcd"] == [4, 3, 3, 3]
+        assert [written[1, n] for n in "abcd"] == [0, 0, 0, 0]
+        assert [written[2, n] for n in "abcd"] == [2, 0, 0, 0]
+        assert await on_disk(tier, chains["a"]) == chains["a"][:3]
+        for name in "bcd":
+            assert await on_disk(tier, chains[name]) == chains[name]
+    finally:
+        tier.close()
+
+
+async def test_a_prefetch_makes_room_by_releasing_pins_expected_back_later(make_services) -> None:  # noqa: F811
+    from chatcore.cache import BlockTable
+
+    services = await make_services(kv_disk_gb=1, hot_window_s=3600)  # pins stay until released
+    clock = [0.0]
+    await services.engine.call(lambda core: setattr(core.pool, "clock", lambda: clock[0]))
+    tenant = services.local_tenant_id
+    a, b, c = [(await services.sessions.create(tenant, system_prompt=f"You are assistant {name}."))[0]
+               for name in "abc"]
+    # Round robin c, a, b twice, a turn a second: every gap is 3 s. At 6.5 s, c is due in 0.5 s,
+    # a in 1.5 s and b (just used) in 2.5 s.
+    for second, state in enumerate((c, a, b, c, a, b), 1):
+        clock[0] = float(second)
+        await run_turn(services, state, f"Say hello to user {state.id[:4]}.")
+    await services.turns.background_idle()
+    clock[0] = 6.5
+    pins = services.turns.pins
+    await services.engine.on_thread(lambda: pins.release(c.id))
+    await services.engine.call(lambda core: core.pool.evict_cached())  # c's history is on disk only
+    bs = services.settings.block_size
+    salt = services.engine.core.salt(c.scope_key)
+    in_pool = await services.engine.call(lambda core: len(longest_prefix(core.pool.find, c.tokens, bs, salt)[0]))
+    missing = len(c.tokens) // bs - in_pool  # the shared template's first block may still be there
+
+    def leave_room_for_one_block_less(core) -> BlockTable:
+        # Other requests' blocks: the pool can take one block fewer than c's history needs.
+        filler = BlockTable(core.pool, "other requests")
+        filler.append_slots((core.pool.num_available - core.pool.low_watermark_blocks - missing + 1) * bs)
+        return filler
+
+    filler = await services.engine.call(leave_room_for_one_block_less)
+    try:
+        assert await services.engine.on_thread(services.engine.blocks.room) == missing - 1
+        services.turns.prefetch(c)
+        assert c.prefetching is not None
+        assert await c.prefetching == missing * bs
+        # b, expected back last, gave its pin up (its blocks stay cached-free); a kept its own.
+        assert await services.engine.on_thread(pins.session_ids) == [a.id]
+    finally:
+        await services.engine.on_thread(filler.release)
+    done = await run_turn(services, c, "And now?")
+    assert done["usage"]["cached_disk_tokens"] == missing * bs

@@ -27,6 +27,18 @@ class BlockOps:
         """The pool's size now (`EngineCore.resize` may change it)."""
         return self._core.pool.num_blocks
 
+    def room(self) -> int:
+        """Blocks an install may take now: those available above the low watermark."""
+        pool = self._core.pool
+        return pool.num_available - pool.low_watermark_blocks
+
+    def expected_waits(self, groups: list[str]) -> dict[str, float]:
+        """Of `groups`, those the pool's eviction forecast knows, with the time it expects until
+        each is used again (`ReuseForecast.wait`)."""
+        forecast = self._core.pool.forecast
+        now = self._core.pool.clock()
+        return {g: forecast.wait(g, now) for g in groups if g in forecast}
+
     def cached_prefix(self, tokens: list[int], salt: bytes, max_blocks: int) -> int:
         """How many of the first `max_blocks` full blocks of `tokens` the pool holds, from the start."""
         pool = self._core.pool

@@ -92,6 +92,33 @@ class DiskTier:
         self._known.update(bytes.fromhex(h) for h in known)
         return [h for h in todo if h.hex() not in known]
 
+    async def worth_writing(self, session_id: str, todo: list[bytes]) -> list[bytes]:
+        """The leading part of `todo` (new blocks of the session's claimed chain, root first) that
+        the budget would keep. Over budget, once the blocks no conversation claims are counted
+        out, the conversation expected back last loses its tail (`enforce_budget`); when that is
+        `session_id` itself, writing its tail would only delete it again. Under a round robin
+        that does not fit, each turn's session is that conversation: a recomputed 1,100-token
+        history took the writer 1-1.5 s of hashing and fsyncs, beside the next turns' steps."""
+        if not todo or not self._block_bytes:
+            return todo
+        async with self.sessionmaker() as db:
+            repos = Repos(db)
+            excess = await repos.blocks.total_size() + len(todo) * self._block_bytes - self.budget_bytes
+            if excess <= 0:
+                return todo
+            excess -= sum(row.size for row in await repos.blocks.lru_blocks(256)
+                          if self.forecast.owner(bytes.fromhex(row.hash)) is None)
+        if excess <= 0:
+            return todo
+        new = set(todo)
+        # The choice `enforce_budget` would make after the write. It sticks: the blocks the victim
+        # does not write are what it would have lost, and later writes take its older blocks.
+        victim = self.forecast.victim(
+            self.clock(), lambda h: (h in self._known or h in new) and self.forecast.holders(h) <= 1)
+        if victim is None or self.forecast.owner(victim) != session_id:
+            return todo
+        return todo[: max(0, len(todo) - -(-excess // self._block_bytes))]
+
     async def save(self, blocks: list[tuple[bytes, torch.Tensor]]) -> int:
         """Write blocks (hash, tensor) and index them; returns how many were written."""
         if not blocks:

@@ -229,6 +229,7 @@ class TurnRunner:
             return
 
         def install() -> None:
+            self._make_room(state.id, len(tensors))
             table, loaded = self.engine.blocks.install(prompt, req.salt, max_blocks, device_blocks, tensors,
                                                        req.request_id)
             req.cached_disk_tokens += loaded
@@ -301,12 +302,32 @@ class TurnRunner:
 
         def install() -> int:
             blocks = self.engine.blocks
+            self._make_room(state.id, len(tensors))
             table, loaded = blocks.install(tokens, salt, max_blocks, device_blocks, tensors, f"prefetch:{state.id}")
             blocks.claim(state.id, table.block_ids, use=False)
             table.release()
             return loaded
 
         return await self.engine.on_thread(install)
+
+    def _make_room(self, session_id: str, wanted: int) -> None:
+        """Engine thread: release the pins of sessions the pool's forecast expects back after
+        `session_id`, latest first, until the pool can take the `wanted` blocks read back for it.
+        Without this, a small pool full of just-finished turns' pins refused every prefetch (the
+        install stops at the low watermark) and each turn read its history again on its own
+        critical path. A released pin's full blocks stay cached-free: its session is still warm
+        unless the install evicts them, which takes the chain expected back last first."""
+        blocks = self.engine.blocks
+        if blocks.room() >= wanted:
+            return
+        waits = blocks.expected_waits([session_id, *self.pins.session_ids()])
+        mine = waits.pop(session_id, None)
+        if mine is None:
+            return
+        for later in sorted((s for s, wait in waits.items() if wait > mine), key=waits.__getitem__, reverse=True):
+            if blocks.room() >= wanted:
+                break
+            self.pins.release(later)
 
     async def _finish(self, state: SessionState, frames: TurnFrames, req: Request, content: str, window: Window,
                       final: RequestOutput | None, error: ErrorCode | None, assistant_id: int) -> None:
@@ -413,15 +434,15 @@ class TurnRunner:
         if disk is None or not hashes:
             return
         disk.claim(state.id, hashes)
-        task = asyncio.create_task(self._write_through(hashes))
+        task = asyncio.create_task(self._write_through(state.id, hashes))
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
-    async def _write_through(self, hashes: list[bytes]) -> None:
+    async def _write_through(self, session_id: str, hashes: list[bytes]) -> None:
         disk = self.disk
         assert disk is not None
         try:
-            todo = await disk.filter_unknown(hashes)
+            todo = await disk.worth_writing(session_id, await disk.filter_unknown(hashes))
             if not todo:
                 return
 
