@@ -108,3 +108,25 @@ def test_a_narrower_cache_is_read_in_the_query_dtype(kv_dtype: torch.dtype) -> N
         got = _prefill_attention(rows, narrow_k, narrow_v, meta, 0.125)
         assert got.dtype == torch.float32
         assert torch.equal(got, _prefill_attention(rows, narrow_k.float(), narrow_v.float(), meta, 0.125))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_step_builds_each_shifted_mask_once_and_it_is_what_sdpa_makes_of_a_boolean_one(
+        dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(paged_attention, "HALF_CONTINUATION_GEMMS", False)
+    monkeypatch.setattr(paged_attention, "CASCADE_MIN_WORK", 1 << 62)
+    start, tokens = 250, 122
+    q, kc, vc, table, meta = _case(start, tokens, 9, 3, dtype, seed=3)
+    first = _prefill_attention(q, kc, vc, meta, 0.125)
+    assert list(meta.masks) == [(start, tokens, dtype)]
+    mask = meta.masks[start, tokens, dtype]
+    assert torch.equal(_prefill_attention(q, kc, vc, meta, 0.125), first)  # the next layer: the same mask
+    assert meta.masks[start, tokens, dtype] is mask and len(meta.masks) == 1
+    length = start + tokens
+    keys = kc[table[0].long()].flatten(0, 1)[:length]
+    values = vc[table[0].long()].flatten(0, 1)[:length]
+    allowed = (torch.arange(length).view(1, -1) <= (start + torch.arange(tokens)).view(-1, 1)).view(1, 1, tokens, length)
+    expected = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                                              values.transpose(0, 1).unsqueeze(0), attn_mask=allowed, scale=0.125,
+                                              enable_gqa=True)[0].transpose(0, 1)
+    assert torch.equal(first, expected)  # bit for bit
