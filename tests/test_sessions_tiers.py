@@ -240,6 +240,7 @@ async def test_a_prefetch_makes_room_by_releasing_pins_expected_back_later(make_
     from chatcore.cache import BlockTable
 
     services = await make_services(kv_disk_gb=1, hot_window_s=3600)  # pins stay until released
+    services.turns.prefetch_next = lambda current: None  # only the prefetch under test reads the disk
     clock = [0.0]
     await services.engine.call(lambda core: setattr(core.pool, "clock", lambda: clock[0]))
     tenant = services.local_tenant_id
@@ -249,7 +250,7 @@ async def test_a_prefetch_makes_room_by_releasing_pins_expected_back_later(make_
     # a in 1.5 s and b (just used) in 2.5 s.
     for second, state in enumerate((c, a, b, c, a, b), 1):
         clock[0] = float(second)
-        await run_turn(services, state, f"Say hello to user {state.id[:4]}.")
+        await run_turn(services, state, f"Say hello to user number {second}.")
     await services.turns.background_idle()
     clock[0] = 6.5
     pins = services.turns.pins
@@ -258,7 +259,11 @@ async def test_a_prefetch_makes_room_by_releasing_pins_expected_back_later(make_
     bs = services.settings.block_size
     salt = services.engine.core.salt(c.scope_key)
     in_pool = await services.engine.call(lambda core: len(longest_prefix(core.pool.find, c.tokens, bs, salt)[0]))
-    missing = len(c.tokens) // bs - in_pool  # the shared template's first block may still be there
+    # What a prefetch brings back: the blocks on disk past those still in the pool (the history's
+    # last full block is not on disk when it holds the answer's last, never computed, tokens).
+    stored = await on_disk(services.turns.disk, chain_hashes(c.tokens, bs, salt))
+    assert stored == chain_hashes(c.tokens, bs, salt)[: len(stored)]
+    missing = len(stored) - in_pool
 
     def leave_room_for_one_block_less(core) -> BlockTable:
         # Other requests' blocks: the pool can take one block fewer than c's history needs.
