@@ -180,8 +180,8 @@ async def test_a_turn_prefetches_the_session_expected_back_next(make_services) -
                for name in "abc"]
     # Round robin a, b, c, a, b. Each turn reads the clock twice: looking ahead (a prefetch that
     # finds the history in the pool leaves nothing), then claiming its chain at 2, 4, 6, 8, 10.
-    for state in (a, b, c, a, b):
-        await run_turn(services, state, f"Say hello to user {state.id[:4]}.")
+    for number, state in enumerate((a, b, c, a, b)):
+        await run_turn(services, state, f"Say hello to user number {number}.")
     await services.turns.background_idle()
     for state in (a, b, c):
         await services.engine.on_thread(lambda s=state: services.turns.pins.release(s.id))
@@ -198,9 +198,13 @@ async def test_a_turn_prefetches_the_session_expected_back_next(make_services) -
     await run_turn(services, a, "One more thing.")
     assert b.prefetching is None and c.prefetching is not None
     loaded = await c.prefetching
-    full = len(c.tokens) // bs
-    assert loaded == full * bs
-    assert await cached_blocks(c) == full
+    # Every block on disk (the history's last full block is not, when it holds the answer's
+    # last, never computed, tokens).
+    salt = services.engine.core.salt(c.scope_key)
+    stored = await on_disk(disk, chain_hashes(c.tokens, bs, salt))
+    assert stored == chain_hashes(c.tokens, bs, salt)[: len(stored)]
+    assert loaded == len(stored) * bs
+    assert await cached_blocks(c) == len(stored)
     assert await cached_blocks(b) == 0
     done = await run_turn(services, c, "And now?")
     assert done["usage"]["cached_disk_tokens"] == loaded and done["usage"]["cached_tokens"] >= loaded
