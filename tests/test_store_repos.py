@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from chatcore.store.models import ChatSession, KvBlock, SessionChain, Turn
 from chatcore.store.repos import Repos, TurnStats
+from chatcore.store.repos.blocks import IndexedFile
 from tests.test_store_support import database_url, engine, repos, sessionmaker  # noqa: F401  (fixtures)
 
 Maker = async_sessionmaker[AsyncSession]
@@ -297,17 +298,19 @@ async def test_kv_block_lru_and_touch(sessionmaker: Maker) -> None:  # noqa: F81
     now = datetime.now(UTC)
     async with sessionmaker() as db, db.begin():
         blocks = Repos(db).blocks
+        await blocks.upsert_blocks([IndexedFile(name, f"{name}.kv", 100 * (i + 1), "x")
+                                    for i, name in enumerate(["aa", "bb", "cc"])], "m1")
         for i, name in enumerate(["aa", "bb", "cc"]):
-            await blocks.upsert_block(name, path=f"{name}.kv", size=100 * (i + 1), checksum="x", model_fingerprint="m1")
-            await blocks.touch_block(name, now - timedelta(minutes=10 - i))
-        await blocks.upsert_block("dd", path="dd.kv", size=1000, checksum="x", model_fingerprint="m2")
-        await blocks.touch_block("dd", now - timedelta(minutes=30))
+            assert await blocks.touch_blocks([name], now - timedelta(minutes=10 - i)) == 1
+        await blocks.upsert_blocks([IndexedFile("dd", "dd.kv", 1000, "x")], "m2")
+        await blocks.touch_blocks(["dd"], now - timedelta(minutes=30))
     async with sessionmaker() as db, db.begin():
         blocks = Repos(db).blocks
-        assert [b.hash for b in await blocks.lru_blocks(10)] == ["dd", "aa", "bb", "cc"]
+        assert [(b.hash, b.size) for b in await blocks.lru_blocks(10)] == [("dd", 1000), ("aa", 100), ("bb", 200),
+                                                                          ("cc", 300)]
         assert [b.hash for b in await blocks.lru_blocks(2, model_fingerprint="m1")] == ["aa", "bb"]
-        assert await blocks.touch_block("aa", now)
-        assert not await blocks.touch_block("zz")
+        assert await blocks.touch_blocks(["aa", "zz"], now) == 1
+        assert await blocks.touch_blocks(["zz"]) == 0
     async with sessionmaker() as db, db.begin():
         blocks = Repos(db).blocks
         assert [b.hash for b in await blocks.lru_blocks(10, model_fingerprint="m1")] == ["bb", "cc", "aa"]
@@ -316,17 +319,23 @@ async def test_kv_block_lru_and_touch(sessionmaker: Maker) -> None:  # noqa: F81
         assert await blocks.total_size() == 1600
         assert await blocks.total_size("m1") == 600
         assert await blocks.total_size("nope") == 0
-        assert await blocks.delete_block("dd")
-        assert not await blocks.delete_block("dd")
+        assert await blocks.delete_blocks(["dd", "zz"]) == 1
+        assert await blocks.delete_blocks(["dd"]) == 0
         assert await blocks.get_block("dd") is None
+        assert await blocks.delete_blocks(["aa", "bb"]) == 2
+        assert [b.hash for b in await blocks.lru_blocks(10)] == ["cc"]
 
 
 async def test_kv_block_upsert_replaces_file_fields(repos: Repos) -> None:  # noqa: F811
-    first = await repos.blocks.upsert_block("aa", path="a1", size=1, checksum="c1", model_fingerprint="m1")
-    await repos.blocks.touch_block("aa")
-    again = await repos.blocks.upsert_block("aa", path="a2", size=2, checksum="c2", model_fingerprint="m1")
-    assert again is first
-    assert (again.path, again.size, again.checksum, again.hits) == ("a2", 2, "c2", 1)
+    await repos.blocks.upsert_blocks([IndexedFile("aa", "a1", 1, "c1")], "m1")
+    await repos.blocks.touch_blocks(["aa"], datetime(2020, 1, 1, tzinfo=UTC))
+    await repos.blocks.upsert_blocks([IndexedFile("aa", "a2", 2, "c2"), IndexedFile("bb", "b", 3, "c3")], "m2")
+    again, new = await repos.blocks.get_block("aa"), await repos.blocks.get_block("bb")
+    assert again is not None and new is not None
+    await repos.db.refresh(again)
+    assert (again.path, again.size, again.checksum, again.model_fingerprint, again.hits) == ("a2", 2, "c2", "m2", 1)
+    assert again.last_used_at > datetime(2020, 1, 1, tzinfo=UTC)  # a rewrite counts as a use
+    assert (new.path, new.size, new.checksum, new.hits) == ("b", 3, "c3", 0)
 
 
 # Timestamps.
@@ -347,7 +356,7 @@ async def test_datetimes_round_trip_as_aware_utc(sessionmaker: Maker) -> None:  
 
 
 async def test_naive_datetimes_are_rejected(repos: Repos) -> None:  # noqa: F811
-    await repos.blocks.upsert_block("aa", path="a", size=1, checksum="c", model_fingerprint="m")
+    await repos.blocks.upsert_blocks([IndexedFile("aa", "a", 1, "c")], "m")
     with pytest.raises(StatementError, match="naive datetime"):
-        await repos.blocks.touch_block("aa", datetime(2030, 1, 1))
+        await repos.blocks.touch_blocks(["aa"], datetime(2030, 1, 1))
     assert isinstance(await repos.blocks.get_block("aa"), KvBlock)

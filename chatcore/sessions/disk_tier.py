@@ -32,6 +32,7 @@ from chatcore import openmp
 from chatcore.cache.forecast import ReuseForecast
 from chatcore.kv.disk import DiskBlocks
 from chatcore.store.repos import Repos
+from chatcore.store.repos.blocks import IndexedFile
 
 log = logging.getLogger(__name__)
 WRITER_NICE = 10
@@ -128,10 +129,9 @@ class DiskTier:
         for attempt in range(2):
             try:
                 async with self.sessionmaker() as db, db.begin():
-                    repos = Repos(db)
-                    for block_hash, info in written:
-                        await repos.blocks.upsert_block(block_hash.hex(), path=info.name, size=info.size,
-                                                        checksum=info.checksum, model_fingerprint=self.fingerprint)
+                    await Repos(db).blocks.upsert_blocks(
+                        [IndexedFile(block_hash.hex(), info.name, info.size, info.checksum) for block_hash, info in written],
+                        self.fingerprint)
                 break
             except IntegrityError:
                 # Another replica indexed one of these blocks (the same content) at the same time:
@@ -167,8 +167,7 @@ class DiskTier:
         self._known.update(run_hashes[: len(tensors)])
         async with self.sessionmaker() as db, db.begin():
             repos = Repos(db)
-            for block_hash in run_hashes[: len(tensors)]:
-                await repos.blocks.touch_block(block_hash.hex())
+            await repos.blocks.touch_blocks([h.hex() for h in run_hashes[: len(tensors)]])
             if len(tensors) < len(run):
                 bad = run_hashes[len(tensors)]
                 if missing:
@@ -176,7 +175,7 @@ class DiskTier:
                 else:
                     self.rejected += 1
                 self._known.discard(bad)
-                await repos.blocks.delete_block(bad.hex())
+                await repos.blocks.delete_blocks([bad.hex()])
         return tensors
 
     def _read_run(self, run: list[tuple[bytes, str]]) -> tuple[list[torch.Tensor], bool]:
@@ -201,8 +200,7 @@ class DiskTier:
             if excess <= 0:
                 return 0
             victims = await self._victims(repos, excess)
-            for block_hash in victims:
-                await repos.blocks.delete_block(block_hash.hex())
+            await repos.blocks.delete_blocks([h.hex() for h in victims])
         for block_hash in victims:
             self._known.discard(block_hash)
         await asyncio.get_running_loop().run_in_executor(self._writer, self._delete_files, victims)
