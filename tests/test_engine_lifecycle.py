@@ -203,6 +203,28 @@ async def test_async_engine_streams_and_cancels(make_core, loaded_fp32) -> None:
         engine.shutdown()
 
 
+async def test_prefill_quiet_is_clear_until_the_first_token(make_core, loaded_fp32) -> None:
+    """The disk tier's writer waits on `prefill_quiet`: it is clear at every step that computes
+    a prompt, and set once every request has its first token."""
+    engine = InferenceEngine(make_core(max_batch_tokens=16))
+    seen: list[tuple[bool, bool]] = []  # per step: computed prompt tokens, the gate as the step ran
+    engine.core.on_step.append(lambda plan: seen.append((bool(plan.prefill), engine.prefill_quiet.is_set())))
+    engine.start()
+    try:
+        req = engine.make_request(chat_ids(loaded_fp32.tokenizer, QUESTIONS[0], LONG_SYSTEM),
+                                  SamplingParams(max_tokens=6, ignore_eos=True))
+        async for _ in engine.generate(req):
+            pass
+        await engine.stats()  # one more round of the engine's loop, which publishes the gate
+        assert engine.prefill_quiet.is_set()
+    finally:
+        engine.shutdown()
+    prefill = [quiet for computed_prompt, quiet in seen if computed_prompt]
+    decode = [quiet for computed_prompt, quiet in seen if not computed_prompt]
+    assert len(prefill) > 2 and not any(prefill)
+    assert len(decode) == 5 and all(decode)
+
+
 def _wait_idle(core) -> bool:
     """Runs on the engine thread: the abort command ran before this one, so nothing is left."""
     return not core.requests and audit(core.pool).used == 0

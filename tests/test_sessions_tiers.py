@@ -3,6 +3,9 @@ no model) and the prefetch of a cold history from disk into the pool (the real e
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import torch
 
 from chatcore.cache import audit, chain_hashes, longest_prefix
@@ -23,11 +26,11 @@ class Ticks:
         return self.now
 
 
-async def disk_tier(tmp_path, blocks_budget: int) -> tuple[DiskTier, int]:
+async def disk_tier(tmp_path, blocks_budget: int, **options) -> tuple[DiskTier, int]:
     url = f"sqlite+aiosqlite:///{tmp_path / 'tier.db'}"
     await migrate(url)
     sessionmaker = create_sessionmaker(create_engine(url))
-    tier = DiskTier(tmp_path / "kv", "model-x", 1 << 40, sessionmaker, clock=Ticks())
+    tier = DiskTier(tmp_path / "kv", "model-x", 1 << 40, sessionmaker, clock=Ticks(), **options)
     probe = tier.files.write(b"\0" * 16, torch.zeros(2, 2, 4, 1, 8))
     tier.files.delete(b"\0" * 16)
     tier.budget_bytes = blocks_budget * probe.size
@@ -70,6 +73,46 @@ async def test_the_disk_budget_drops_whole_conversations_expected_back_last_neve
         assert len(await on_disk(tier, chains["b"][1:])) == 2
         for name in "cd":
             assert await on_disk(tier, chains[name]) == chains[name]
+    finally:
+        tier.close()
+
+
+class Quiet(threading.Event):
+    """The engine's `prefill_quiet`, telling when the writer starts waiting for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waited.set()
+        return super().wait(timeout)
+
+
+async def test_writes_wait_while_a_prefill_runs(tmp_path) -> None:
+    quiet = Quiet()  # clear: a request awaits its first token
+    tier, _ = await disk_tier(tmp_path, blocks_budget=10, quiet=quiet, defer_s=3600.0)
+    try:
+        chain = [bytes([7, k]) * 8 for k in range(3)]
+        tier.claim("a", chain)
+        saving = asyncio.create_task(tier.save([(h, block(i)) for i, h in enumerate(chain)]))
+        assert await asyncio.to_thread(quiet.waited.wait, 60)  # the writer holds its first file back
+        assert not any(tier.files.path_for(h).exists() for h in chain) and not saving.done()
+        quiet.set()  # the prefill produced its first token
+        assert await saving == 3
+        assert await on_disk(tier, chain) == chain
+    finally:
+        tier.close()
+
+
+async def test_a_write_waits_for_prefills_only_up_to_its_deadline(tmp_path) -> None:
+    quiet = Quiet()  # never set: prefills keep coming
+    tier, _ = await disk_tier(tmp_path, blocks_budget=10, quiet=quiet, defer_s=0.0)
+    try:
+        chain = [bytes([8, k]) * 8 for k in range(2)]
+        tier.claim("a", chain)
+        assert await tier.save([(h, block(i)) for i, h in enumerate(chain)]) == 2
+        assert quiet.waited.is_set() and await on_disk(tier, chain) == chain
     finally:
         tier.close()
 

@@ -150,6 +150,11 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    @property
+    def awaiting_first_token(self) -> bool:
+        """Whether a request (waiting, or prefilling) has yet to produce its first token."""
+        return any(req.first_token is None for req in self.requests.values())
+
     def resize(self, num_blocks: int) -> int:
         """Grow or shrink the pool and its tensors together; block ids never change.
 

@@ -82,6 +82,12 @@ class InferenceEngine:
         # thread runs every command queued before it (the last drain), so no caller waits forever.
         self._submit_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="chatcore-engine", daemon=True)
+        # Set while no request awaits its first token. Background work that competes for the
+        # cores (the disk tier's writes) waits for it, so a prefill that users wait on runs alone.
+        # Cleared (under `_submit_lock`) when a request is submitted, set by the engine thread only
+        # when no command is queued and no request awaits a first token: never set too early.
+        self.prefill_quiet = threading.Event()
+        self.prefill_quiet.set()
         self.housekeeping: list[Callable[[], None]] = []
 
     @classmethod
@@ -116,6 +122,7 @@ class InferenceEngine:
                 self._drain_commands()
                 for task in self.housekeeping:
                     task()
+                self._publish_quiet()
                 computed = False
                 if self.core.has_work:
                     before = self.core.steps
@@ -124,6 +131,7 @@ class InferenceEngine:
                     self.preemptions = self.core.scheduler.preemptions
                     for out in outputs:
                         self._dispatch(out)
+                    self._publish_quiet()
                 if not computed:
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
@@ -137,6 +145,7 @@ class InferenceEngine:
             except Exception:
                 log.exception("engine command failed at shutdown")
         self._fail_all(EngineStopped("the engine is shutting down"))
+        self.prefill_quiet.set()  # nothing will compute again: let the waiting writers go
 
     def _drain_commands(self) -> None:
         while True:
@@ -145,6 +154,14 @@ class InferenceEngine:
             except queue.Empty:
                 return
             command()
+
+    def _publish_quiet(self) -> None:
+        if self.core.awaiting_first_token:
+            self.prefill_quiet.clear()
+            return
+        with self._submit_lock:  # a request submitted meanwhile is still in the queue
+            if self._commands.empty():
+                self.prefill_quiet.set()
 
     def _dispatch(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
@@ -166,17 +183,21 @@ class InferenceEngine:
             self._streams.pop(request_id, None)
             stream.put(exc)
 
-    def _submit(self, command: Callable[[], None]) -> None:
+    def _submit(self, command: Callable[[], None], *, prefill: bool = False) -> None:
+        """`prefill`: the command adds a request, which will await its first token."""
         with self._submit_lock:
             if self._stopping:
                 raise EngineStopped("the engine is shutting down")
             self._commands.put(command)
+            if prefill:
+                self.prefill_quiet.clear()
         self._wake.set()
 
     # ----- the async API ---------------------------------------------------------------------
-    async def call(self, fn: Callable[[EngineCore], T]) -> T:
+    async def call(self, fn: Callable[[EngineCore], T], *, prefill: bool = False) -> T:
         """Run `fn(core)` on the engine thread between two steps, and return its result. For the
-        engine's own modules and tests; code outside `chatcore.engine` uses `on_thread`."""
+        engine's own modules and tests; code outside `chatcore.engine` uses `on_thread`.
+        `prefill`: `fn` adds a request (see `prefill_quiet`)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
 
@@ -188,7 +209,7 @@ class InferenceEngine:
             else:
                 loop.call_soon_threadsafe(_set_result, future, result)
 
-        self._submit(command)
+        self._submit(command, prefill=prefill)
         return await future
 
     async def on_thread(self, fn: Callable[[], T]) -> T:
@@ -215,7 +236,7 @@ class InferenceEngine:
             core.add(request)
             self._streams[request.request_id] = stream
 
-        await self.call(add)
+        await self.call(add, prefill=True)
         finished = False
         try:
             while True:

@@ -67,7 +67,8 @@ class Services:
         disk = None
         disk_bytes = disk_budget_bytes(settings.kv_disk_gb, settings.resolved_kv_disk_dir)
         if disk_bytes > 0:
-            disk = DiskTier(settings.resolved_kv_disk_dir, loaded.fingerprint, disk_bytes, sessionmaker)
+            disk = DiskTier(settings.resolved_kv_disk_dir, loaded.fingerprint, disk_bytes, sessionmaker,
+                            quiet=engine.prefill_quiet)
             await disk.sweep()  # what a crash left behind, before the budget counts files
         tiers = await kv_tiers(engine, disk_bytes)
         log.info("engine: %s on %s in %s; KV tiers: %s; %s", loaded.path.name, loaded.device, loaded.dtype_name,
