@@ -3,6 +3,8 @@
 The race is forced, not hoped for: every caller's first read (`get_tenant`, which finds nothing)
 waits at a barrier until all callers have read, so all of them go on to insert the same name. A
 read-then-insert version fails here on every run with a unique violation on `uq_tenants_name`.
+Each caller has a sessionmaker of its own, as replicas do: one process's SQLite transactions
+queue behind each other (`chatcore.store.write_queue`), so one sessionmaker would never race.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ import asyncio
 
 import pytest
 from sqlalchemy import func, select
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
+from chatcore.store.db import create_sessionmaker
 from chatcore.store.models import Tenant
 from chatcore.store.repos import Repos
 from chatcore.store.repos.tenants import TenantRepo
@@ -44,9 +47,9 @@ async def _create_in_own_transaction(maker: Maker, name: str) -> str:
 
 
 async def test_concurrent_callers_all_get_the_one_tenant(
-        sessionmaker: Maker, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+        engine: AsyncEngine, sessionmaker: Maker, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     hold_first_reads_until_all_have_read(monkeypatch, CALLERS)
-    callers = [_create_in_own_transaction(sessionmaker, "local") for _ in range(CALLERS)]
+    callers = [_create_in_own_transaction(create_sessionmaker(engine), "local") for _ in range(CALLERS)]
     ids = await asyncio.wait_for(asyncio.gather(*callers), timeout=60)
     assert len(set(ids)) == 1
     async with sessionmaker() as db:
@@ -55,12 +58,12 @@ async def test_concurrent_callers_all_get_the_one_tenant(
 
 
 async def test_a_caller_whose_insert_conflicts_keeps_its_transaction(
-        sessionmaker: Maker, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+        engine: AsyncEngine, sessionmaker: Maker, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """The loser's conflicting insert leaves its transaction usable: its API key is committed."""
     hold_first_reads_until_all_have_read(monkeypatch, 2)
 
     async def create_key() -> str:
-        async with sessionmaker() as db, db.begin():
+        async with create_sessionmaker(engine)() as db, db.begin():
             return await Repos(db).keys.create_api_key("acme")
 
     keys = await asyncio.wait_for(asyncio.gather(create_key(), create_key()), timeout=60)

@@ -5,9 +5,9 @@ and the KV tensors. Code outside `chatcore.engine` holds an `InferenceEngine` an
 core (tests/test_import_graph.py checks): the model's constants (`block_size`, `max_context`,
 `salt`, ...) are read from here; everything that reads or changes the pool runs on the engine
 thread, between two steps, through `on_thread` (with `blocks`, the engine-thread operations on
-the pool's blocks), `check_fits` or `stats`, and its result comes back on the caller's event
-loop. Leaving a stream early (the consumer is cancelled or stops iterating) aborts the
-request, so its blocks are always released.
+the pool's blocks) or `stats`, and its result comes back on the caller's event loop (`check_fits`
+reads only the pool's size). Leaving a stream early (the consumer is cancelled or stops
+iterating) aborts the request, so its blocks are always released.
 """
 
 from __future__ import annotations
@@ -217,9 +217,14 @@ class InferenceEngine:
         sessions' pins and `blocks` may be used."""
         return await self.call(lambda core: fn())
 
-    async def check_fits(self, request: Request) -> None:
-        """`RequestRejected` for a request that can never fit the context or the pool."""
-        await self.call(lambda core: core.scheduler.check_fits(request))
+    def check_fits(self, request: Request) -> None:
+        """`RequestRejected` for a request that can never fit the context or the pool.
+
+        Checked on the caller's thread: it reads the context and the pool's size, nothing the
+        engine thread changes but a resize, and `generate` checks again when it adds the request.
+        A round trip to the engine thread waited for the running step (a prefill chunk: ~200 ms
+        on two cores) before a turn could even write its rows."""
+        self.core.scheduler.check_fits(request)
 
     async def stats(self) -> PoolStats:
         """The pool's blocks by state, counted on the engine thread."""

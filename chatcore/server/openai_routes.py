@@ -180,7 +180,7 @@ async def engine_events(services: Services, principal_tenant: str, prompt_of: Ca
             params = replace(params, max_tokens=min(params.max_tokens, context - len(prompt)))
         request = engine.make_request(prompt, params, scope_key=services.sessions.scope_key(principal_tenant))
         try:
-            await engine.check_fits(request)
+            engine.check_fits(request)
         except RequestRejected as exc:
             raise ApiError("too_large", str(exc)) from exc
         async with aclosing(engine.generate(request)) as stream:

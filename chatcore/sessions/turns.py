@@ -100,7 +100,7 @@ class TurnRunner:
         req = self.engine.make_request(prompt, params, scope_key=state.scope_key)
         req.keep_table = True
         try:
-            await self.engine.check_fits(req)
+            self.engine.check_fits(req)
         except RequestRejected as exc:
             raise TooLarge(str(exc)) from exc
         exchange = state.turn_count // 2

@@ -21,6 +21,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 from chatcore.resources import MIGRATIONS_DIR
+from chatcore.store.write_queue import QueuedSession, WriteQueue
 
 
 def _sqlite_file(url: URL) -> Path | None:
@@ -69,7 +70,10 @@ def create_engine(url: str, synchronous: str = "NORMAL") -> AsyncEngine:
 
 def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     """Sessions that keep loaded attributes after commit (`expire_on_commit=False`),
-    so objects stay readable outside their transaction without a lazy load."""
+    so objects stay readable outside their transaction without a lazy load. On SQLite, their
+    transactions queue in this process (`chatcore.store.write_queue`)."""
+    if engine.dialect.name == "sqlite":
+        return async_sessionmaker(engine, expire_on_commit=False, class_=QueuedSession, write_queue=WriteQueue())
     return async_sessionmaker(engine, expire_on_commit=False)
 
 
