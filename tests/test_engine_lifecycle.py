@@ -225,6 +225,40 @@ async def test_prefill_quiet_is_clear_until_the_first_token(make_core, loaded_fp
     assert len(decode) == 5 and all(decode)
 
 
+async def test_admit_runs_with_the_add_on_the_engine_thread_and_may_decline(make_core, loaded_fp32) -> None:
+    """`generate`'s `admit` (the sessions attach a pinned prefix with it) runs on the engine thread
+    in the command that adds the request: no step runs between the two."""
+    engine = InferenceEngine(make_core())
+    first_step: dict[str, int] = {}
+
+    def record(plan) -> None:
+        for entry in plan.prefill:
+            first_step.setdefault(entry.req.request_id, engine.core.steps)
+
+    engine.core.on_step.append(record)
+    engine.start()
+    try:
+        prompt = engine.chat_prompt([{"role": "user", "content": QUESTIONS[0]}])
+        declined = engine.make_request(prompt, SamplingParams(max_tokens=2))
+        where: list[str] = []
+
+        def decline() -> bool:
+            where.append(threading.current_thread().name)
+            return False
+
+        outs = [out async for out in engine.generate(declined, decline)]
+        assert outs == [] and where == ["chatcore-engine"]
+        assert await engine.call(lambda core: declined.request_id not in core.requests and audit(core.pool).used == 0)
+
+        admitted = engine.make_request(prompt, SamplingParams(max_tokens=2))
+        at_admit: list[int] = []
+        outs = [out async for out in engine.generate(admitted, lambda: at_admit.append(engine.core.steps) is None)]
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 2
+        assert first_step[admitted.request_id] == at_admit[0] + 1  # its prefill was the very next step
+    finally:
+        engine.shutdown()
+
+
 def _wait_idle(core) -> bool:
     """Runs on the engine thread: the abort command ran before this one, so nothing is left."""
     return not core.requests and audit(core.pool).used == 0

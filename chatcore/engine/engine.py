@@ -230,18 +230,25 @@ class InferenceEngine:
         """The pool's blocks by state, counted on the engine thread."""
         return await self.call(lambda core: core.pool.stats())
 
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: Request, admit: Callable[[], bool] | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last one has `finished` set.
 
-        Raises `RequestRejected` at once for a request that can never fit.
+        Raises `RequestRejected` at once for a request that can never fit. `admit`, if given, runs
+        on the engine thread just before the request is added, in the same round trip (each one
+        waits for the running step), and may attach the request's prefix; when it returns False,
+        the request is not added and the stream ends at once, empty.
         """
         stream = _Stream(asyncio.get_running_loop())
 
-        def add(core: EngineCore) -> None:
+        def add(core: EngineCore) -> bool:
+            if admit is not None and not admit():
+                return False
             core.add(request)
             self._streams[request.request_id] = stream
+            return True
 
-        await self.call(add, prefill=True)
+        if not await self.call(add, prefill=True):
+            return
         finished = False
         try:
             while True:

@@ -172,22 +172,18 @@ class TurnRunner:
         try:  # the tenant's slot is given back whatever happens, a cancellation too
             try:
                 frames.emit({"type": "start", "truncated_turns": window.window_start})
-                await self._attach_prefix(state, req, window.use_pin)
+                admit, uncached = self._admission(state, req, window.use_pin, await self._prefetched(state))
                 self.prefetch_next(state)
-                # A cancel (or an expired grace period) that came while the prefix was attached found
-                # no request in the engine to abort: honour it here. From here to the engine's `add`
-                # nothing awaits, so a later cancel finds the request.
+                # A cancel (or an expired grace period) that came before the request reached the
+                # engine (while its prefetch or its disk read was awaited) found nothing to abort:
+                # honour it here. From here to the engine's `add` nothing awaits, so a later cancel
+                # finds the request.
                 if state.cancel_reason is None:
-                    async with aclosing(self.engine.generate(req)) as stream:
-                        async for out in stream:
-                            for delta in out.deltas:
-                                if delta.logprobs:
-                                    frames.emit({"type": "token", "index": delta.index, "text": delta.text,
-                                                 "logprobs": chat_content(self.sessions.token_texts, delta.logprobs)})
-                                elif delta.text:
-                                    frames.emit({"type": "token", "index": delta.index, "text": delta.text})
-                            if out.finished:
-                                final = out
+                    admitted, final = await self._stream(frames, req, admit)
+                    if not admitted:  # blocks the disk tier may hold: read them back, then add it
+                        await self._load_prefix(state, req, uncached[0])
+                        if state.cancel_reason is None:
+                            _, final = await self._stream(frames, req, None)
             except QueueFull:
                 error = ErrorCode.BUSY
             except Exception:  # the turn fails, the session and the server live on
@@ -204,26 +200,59 @@ class TurnRunner:
             state.request_id = None
             state.last_active = time.monotonic()
 
-    async def _attach_prefix(self, state: SessionState, req: Request, use_pin: bool) -> None:
+    def _admission(self, state: SessionState, req: Request, use_pin: bool,
+                   prefetched: int) -> tuple[Callable[[], bool], list[int]]:
+        """The request's prefix, attached on the engine thread as the request is added (one round
+        trip, `InferenceEngine.generate`'s `admit`): the session's pin if it holds the history, else
+        the pool's cached prefix. Declines (the request is not added) when the disk tier may hold
+        more of the prompt's full blocks; the list then holds how many the pool had."""
         prompt = req.prompt
-        disk = self.disk
         bs = self.engine.block_size
         max_blocks = (len(prompt) - 1) // bs
-        prefetched = await self._prefetched(state)
+        uncached: list[int] = []
 
-        def take_pin() -> int:
+        def admit() -> bool:
             table = self.pins.take(state.id)
             if table is not None:
                 if use_pin and table.num_tokens < len(prompt):
                     req.prefix_table = table
-                    return -1
+                    return True
                 table.release()
-            return self.engine.blocks.cached_prefix(prompt, req.salt, max_blocks)
+            device_blocks = self.engine.blocks.cached_prefix(prompt, req.salt, max_blocks)
+            req.cached_disk_tokens = min(prefetched, device_blocks * bs)
+            if self.disk is None or device_blocks >= max_blocks:
+                return True
+            uncached.append(device_blocks)
+            return False
 
-        device_blocks = await self.engine.on_thread(take_pin)
-        req.cached_disk_tokens = min(prefetched, max(device_blocks, 0) * bs)
-        if device_blocks < 0 or disk is None or device_blocks >= max_blocks:
-            return
+        return admit, uncached
+
+    async def _stream(self, frames: TurnFrames, req: Request,
+                      admit: Callable[[], bool] | None) -> tuple[bool, RequestOutput | None]:
+        """Run the request, its tokens sent as frames: whether `admit` let it in, and its final output."""
+        admitted = False
+        final: RequestOutput | None = None
+        async with aclosing(self.engine.generate(req, admit)) as stream:
+            async for out in stream:
+                admitted = True
+                for delta in out.deltas:
+                    if delta.logprobs:
+                        frames.emit({"type": "token", "index": delta.index, "text": delta.text,
+                                     "logprobs": chat_content(self.sessions.token_texts, delta.logprobs)})
+                    elif delta.text:
+                        frames.emit({"type": "token", "index": delta.index, "text": delta.text})
+                if out.finished:
+                    final = out
+        return admitted, final
+
+    async def _load_prefix(self, state: SessionState, req: Request, device_blocks: int) -> None:
+        """Extend the pool's `device_blocks` cached blocks of the prompt with those read back
+        from the disk tier (verified), as the request's prefix table."""
+        disk = self.disk
+        assert disk is not None
+        prompt = req.prompt
+        bs = self.engine.block_size
+        max_blocks = (len(prompt) - 1) // bs
         tensors = await disk.load(chain_hashes(prompt, bs, req.salt)[device_blocks:max_blocks])
         if not tensors:
             return
