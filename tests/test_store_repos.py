@@ -10,6 +10,7 @@ from sqlalchemy.exc import IntegrityError, StatementError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from chatcore.store.models import ChatSession, KvBlock, SessionChain, Turn
+from chatcore.store.packing import unpack_ids
 from chatcore.store.repos import Repos, TurnStats
 from chatcore.store.repos.blocks import IndexedFile
 from tests.test_store_support import database_url, engine, repos, sessionmaker  # noqa: F401  (fixtures)
@@ -275,6 +276,46 @@ async def test_turns(sessionmaker: Maker) -> None:  # noqa: F811
         assert last.created_at.tzinfo is UTC
         assert [t.idx for t in await repos.turns.find_by_client_id(session.id, "c1")] == [1, 2]
         assert await repos.turns.find_by_client_id(session.id, "c2") == []
+
+
+async def test_an_exchange_is_the_user_turn_and_the_answer_in_flight(sessionmaker: Maker) -> None:  # noqa: F811
+    async with sessionmaker() as db, db.begin():
+        repos = Repos(db)
+        session, _ = await _new_session(repos)
+        await repos.turns.add_turn(session.id, "system", "be brief", [5])
+        answer = await repos.turns.add_exchange(session.id, "hi", [1, 2], client_id="c1")
+    async with sessionmaker() as db:
+        turns = await Repos(db).turns.list_turns(session.id)
+    assert [(t.idx, t.role, t.content, t.client_id, t.finish_reason) for t in turns[1:]] == [
+        (1, "user", "hi", "c1", None), (2, "assistant", "", "c1", None)]
+    assert unpack_ids(turns[1].token_ids) == [1, 2] and unpack_ids(turns[2].token_ids) == []
+    assert answer.id == turns[2].id
+
+
+async def test_seq_writes_may_record_activity_in_the_same_statement(sessionmaker: Maker) -> None:  # noqa: F811
+    old = datetime(2020, 1, 1, tzinfo=UTC)
+    async with sessionmaker() as db, db.begin():
+        repos = Repos(db)
+        session, _ = await _new_session(repos)
+        await repos.sessions.touch(session.id, at=old)
+
+    async def last_active() -> datetime:
+        async with sessionmaker() as db:
+            return await db.scalar(select(ChatSession.last_active_at).where(ChatSession.id == session.id))
+
+    async with sessionmaker() as db, db.begin():
+        assert await Repos(db).sessions.reserve_seq(session.id, 2) == 0
+    assert await last_active() == old
+    async with sessionmaker() as db, db.begin():
+        assert await Repos(db).sessions.reserve_seq(session.id, 2, touch=True) == 2
+    touched = await last_active()
+    assert touched > old
+    async with sessionmaker() as db, db.begin():
+        await Repos(db).sessions.touch(session.id, at=old)
+        assert await Repos(db).sessions.set_seq(session.id, 9, touch=True)
+    assert await last_active() > old
+    async with sessionmaker() as db:
+        assert await db.scalar(select(ChatSession.next_seq).where(ChatSession.id == session.id)) == 9
 
 
 async def test_mark_interrupted(repos: Repos) -> None:  # noqa: F811

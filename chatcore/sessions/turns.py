@@ -107,11 +107,9 @@ class TurnRunner:
         reserve = 3 + params.max_tokens * params.num_sequences
         async with self.sessions.sessionmaker() as db, db.begin():
             repos = Repos(db)
-            first = await repos.sessions.reserve_seq(state.id, reserve)
-            await repos.turns.add_turn(state.id, "user", content, prompt[len(prompt) - added:],
-                                       client_id=client_id)
-            assistant = await repos.turns.add_turn(state.id, "assistant", "", [], client_id=client_id)
-            await repos.sessions.touch(state.id)
+            first = await repos.sessions.reserve_seq(state.id, reserve, touch=True)
+            assistant = await repos.turns.add_exchange(state.id, content, prompt[len(prompt) - added:],
+                                                       client_id=client_id)
         state.next_seq = max(state.next_seq, first)
         state.turn_count += 2
         state.last_active = time.monotonic()
@@ -427,8 +425,7 @@ class TurnRunner:
             await repos.turns.finish_turn(assistant_id, content=text, token_ids=generated,
                                           finish_reason=reason, stats=stats, alternatives=alternatives)
             await self.sessions.save_chain(repos, state, chain, window_start)
-            await repos.sessions.set_seq(state.id, state.next_seq + 1)  # the done frame's number
-            await repos.sessions.touch(state.id)
+            await repos.sessions.set_seq(state.id, state.next_seq + 1, touch=True)  # the done frame's number
         if history is not None:
             state.tokens, state.messages = history
             state.window_start = window_start

@@ -109,18 +109,20 @@ class SessionRepo:
         await self.db.flush()
         return token
 
-    async def reserve_seq(self, session_id: str, n: int = 1) -> int:
+    async def reserve_seq(self, session_id: str, n: int = 1, *, touch: bool = False) -> int:
         """Reserve `n` frame sequence numbers atomically; returns the first one.
 
-        The reserved numbers are `[first, first + n)`; `next_seq` becomes `first + n`.
+        The reserved numbers are `[first, first + n)`; `next_seq` becomes `first + n`. `touch`:
+        record activity now in the same statement (as `touch` would).
         Raises `LookupError` when the session does not exist.
         """
         if n < 1:
             raise ValueError(f"reserve at least one sequence number, not {n}")
+        values = {"next_seq": ChatSession.next_seq + n} | ({"last_active_at": utcnow()} if touch else {})
         result = await self.db.execute(
             update(ChatSession)
             .where(ChatSession.id == session_id)
-            .values(next_seq=ChatSession.next_seq + n)
+            .values(**values)
             .returning(ChatSession.next_seq)
         )
         end = result.scalar_one_or_none()
@@ -128,9 +130,11 @@ class SessionRepo:
             raise LookupError(f"no session {session_id!r}")
         return end - n
 
-    async def set_seq(self, session_id: str, value: int) -> bool:
-        """Set `next_seq` (after a turn, to the last frame number actually used)."""
-        result = await self.db.execute(update(ChatSession).where(ChatSession.id == session_id).values(next_seq=value))
+    async def set_seq(self, session_id: str, value: int, *, touch: bool = False) -> bool:
+        """Set `next_seq` (after a turn, to the last frame number actually used); `touch`: record
+        activity now in the same statement."""
+        values = {"next_seq": value} | ({"last_active_at": utcnow()} if touch else {})
+        result = await self.db.execute(update(ChatSession).where(ChatSession.id == session_id).values(**values))
         return bool(result.rowcount)
 
     async def list_by_state(

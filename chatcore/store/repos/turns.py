@@ -66,6 +66,20 @@ class TurnRepo:
         await self.db.flush()
         return turn
 
+    async def add_exchange(self, session_id: str, content: str, token_ids: Sequence[int], *,
+                           client_id: str | None = None) -> Turn:
+        """Append the user's turn and the assistant's turn in flight after it (one INSERT of both
+        rows); returns the assistant's."""
+        last = await self.db.scalar(select(func.max(Turn.idx)).where(Turn.session_id == session_id))
+        first = 0 if last is None else last + 1
+        user = Turn(session_id=session_id, idx=first, role="user", content=content, token_ids=pack_ids(token_ids),
+                    client_id=client_id, **asdict(TurnStats()))
+        assistant = Turn(session_id=session_id, idx=first + 1, role="assistant", content="", token_ids=pack_ids([]),
+                         client_id=client_id, **asdict(TurnStats()))
+        self.db.add_all([user, assistant])
+        await self.db.flush()
+        return assistant
+
     async def finish_turn(
         self,
         turn_id: int,
