@@ -230,7 +230,8 @@ class InferenceEngine:
         """The pool's blocks by state, counted on the engine thread."""
         return await self.call(lambda core: core.pool.stats())
 
-    async def generate(self, request: Request, admit: Callable[[], bool] | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: Request,
+                       admit: Callable[[], bool] | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last one has `finished` set.
 
         Raises `RequestRejected` at once for a request that can never fit. `admit`, if given, runs

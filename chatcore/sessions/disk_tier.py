@@ -5,8 +5,9 @@ copies the new full blocks out of the KV tensors, and a worker thread writes the
 the index rows follow on the event loop. The writer yields to prefills: before each file it
 waits, up to `WRITE_DEFER_S` after the write was asked for, until no request awaits its first
 token (`quiet`, the engine's `prefill_quiet`). On two cores, a turn's files (hashing, copies,
-fsyncs) written beside the next turn's prefill made that turn ~10 ms slower (docs/benchmarks.md). Reads verify every file (`DiskBlocks.read`); a
-rejected file is deleted and its index row dropped, and the caller recomputes.
+fsyncs) written beside the next turn's prefill made that turn ~10 ms slower (docs/benchmarks.md).
+Reads verify every file (`DiskBlocks.read`); a rejected file is deleted and its index row
+dropped, and the caller recomputes.
 
 The budget is enforced per conversation, as in the pool (`chatcore.cache.forecast`): each turn
 claims its session's chain of hashes. Over budget, blocks no conversation claims go first
@@ -133,7 +134,8 @@ class DiskTier:
         if not blocks:
             return 0
         loop = asyncio.get_running_loop()
-        written = await loop.run_in_executor(self._writer, self._write_all, blocks, time.monotonic() + self.defer_s)
+        deadline = time.monotonic() + self.defer_s
+        written = await loop.run_in_executor(self._writer, self._write_all, blocks, deadline)
         for attempt in range(2):
             try:
                 async with self.sessionmaker() as db, db.begin():

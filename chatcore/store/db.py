@@ -73,7 +73,8 @@ def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]
     so objects stay readable outside their transaction without a lazy load. On SQLite, their
     transactions queue in this process (`chatcore.store.write_queue`)."""
     if engine.dialect.name == "sqlite":
-        return async_sessionmaker(engine, expire_on_commit=False, class_=QueuedSession, write_queue=WriteQueue())
+        return async_sessionmaker(engine, expire_on_commit=False, class_=QueuedSession,
+                                  write_queue=WriteQueue())
     return async_sessionmaker(engine, expire_on_commit=False)
 
 
