@@ -116,3 +116,21 @@ async def test_opening_a_session_while_it_goes_cold_returns_its_live_state(make_
     opened = await opening
     assert opened is not state and manager.live[state.id] is opened  # not a dropped copy: no fork
     assert opened.tokens == state.tokens
+
+
+async def test_a_turn_whose_bookkeeping_fails_still_sends_done_and_keeps_its_pin(make_services) -> None:  # noqa: F811
+    import asyncio
+
+    services = await make_services(hot_window_s=60)
+    state, _ = await services.sessions.create(services.local_tenant_id, system_prompt="You are concise.")
+
+    def broken(*args, **kwargs) -> None:  # as a Prometheus counter refuses a negative increment
+        raise ValueError("Counters can only be incremented by non-negative amounts.")
+
+    services.turns.metrics.record_request = broken
+    done = await asyncio.wait_for(run_turn(services, state, "Name a colour."), 120)
+    assert done["finish_reason"] in ("stop", "length") and state.messages[-1]["role"] == "assistant"
+    assert state.id in services.sessions.pins  # the turn's table became the session's pin
+    await services.engine.on_thread(lambda: services.sessions.pins.release(state.id))
+    report = await services.engine.call(lambda core: audit(core.pool))
+    assert report.ok and report.used == 0, report.format()

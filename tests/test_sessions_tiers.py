@@ -181,7 +181,7 @@ async def test_prefetch_brings_a_cold_history_into_the_pool_before_its_turn(make
     assert await services.engine.call(cached_blocks) == 0
     services.turns.prefetch(reopened)  # what `hello` does
     assert reopened.prefetching is not None
-    loaded = await reopened.prefetching
+    loaded = len(await reopened.prefetching) * bs
     assert loaded == full * bs
     assert await services.engine.call(cached_blocks) == full
     report = await services.engine.call(lambda core: audit(core.pool))
@@ -240,7 +240,7 @@ async def test_a_turn_prefetches_the_session_expected_back_next(make_services) -
     # is due in 1 s, b (used at 10, its gap 6) in 5 s. c's history comes back from disk meanwhile.
     await run_turn(services, a, "One more thing.")
     assert b.prefetching is None and c.prefetching is not None
-    loaded = await c.prefetching
+    loaded = len(await c.prefetching) * bs
     # Every block on disk (the history's last full block is not, when it holds the answer's
     # last, never computed, tokens).
     salt = services.engine.core.salt(c.scope_key)
@@ -323,10 +323,36 @@ async def test_a_prefetch_makes_room_by_releasing_pins_expected_back_later(make_
         assert await services.engine.on_thread(services.engine.blocks.room) == missing - 1
         services.turns.prefetch(c)
         assert c.prefetching is not None
-        assert await c.prefetching == missing * bs
+        assert await c.prefetching == range(in_pool, in_pool + missing)
         # b, expected back last, gave its pin up (its blocks stay cached-free); a kept its own.
         assert await services.engine.on_thread(pins.session_ids) == [a.id]
     finally:
         await services.engine.on_thread(filler.release)
     done = await run_turn(services, c, "And now?")
     assert done["usage"]["cached_disk_tokens"] == missing * bs
+
+
+async def test_prefetched_blocks_evicted_before_the_turn_takes_them_count_as_recomputed(make_services) -> None:  # noqa: F811
+    """Tokens count as served by the disk tier only if a table held their blocks when the request
+    took its prefix. Here the prefetched history is evicted while the turn reads the rest of its
+    prompt from disk (as another session's prefetch may evict it): the turn recomputes it, says so,
+    and still ends with `done` (a negative device share once stranded it: metrics refused it)."""
+    services, state = await one_turn_then_only_on_disk(make_services)
+    reopened = await services.sessions.open(services.local_tenant_id, state.id)
+    services.turns.prefetch(reopened)
+    assert len(await reopened.prefetching) > 0
+    disk = services.turns.disk
+    load = disk.load
+
+    async def evicting_load(hashes):
+        await services.engine.call(lambda core: core.pool.evict_cached())
+        return await load(hashes)
+
+    disk.load = evicting_load
+    done = await asyncio.wait_for(run_turn(services, reopened, "And how much does it cost?"), 120)
+    usage = done["usage"]
+    assert 0 <= usage["cached_disk_tokens"] <= usage["cached_tokens"]
+    assert usage["cached_device_tokens"] == usage["cached_tokens"] - usage["cached_disk_tokens"] >= 0
+    assert usage["recomputed_tokens"] == usage["prompt_tokens"] - usage["cached_tokens"]
+    report = await services.engine.call(lambda core: audit(core.pool))
+    assert report.ok, report.format()

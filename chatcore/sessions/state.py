@@ -32,7 +32,7 @@ class SessionState:
     last_active: float = field(default_factory=time.monotonic)
     current: TurnFrames | None = None
     running: asyncio.Task[None] | None = None
-    prefetching: asyncio.Task[int] | None = None  # disk reads started by `hello` (TurnRunner.prefetch)
+    prefetching: asyncio.Task[range] | None = None  # disk reads started by `hello` (TurnRunner.prefetch)
     request_id: str | None = None
     cancel_reason: FinishReason | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)

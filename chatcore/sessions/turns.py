@@ -170,7 +170,8 @@ class TurnRunner:
         try:  # the tenant's slot is given back whatever happens, a cancellation too
             try:
                 frames.emit({"type": "start", "truncated_turns": window.window_start})
-                admit, uncached = self._admission(state, req, window.use_pin, await self._prefetched(state))
+                prefetched = await self._prefetched(state)
+                admit, uncached = self._admission(state, req, window.use_pin, prefetched)
                 self.prefetch_next(state)
                 # A cancel (or an expired grace period) that came before the request reached the
                 # engine (while its prefetch or its disk read was awaited) found nothing to abort:
@@ -179,7 +180,7 @@ class TurnRunner:
                 if state.cancel_reason is None:
                     admitted, final = await self._stream(frames, req, admit)
                     if not admitted:  # blocks the disk tier may hold: read them back, then add it
-                        await self._load_prefix(state, req, uncached[0])
+                        await self._load_prefix(state, req, uncached[0], prefetched)
                         if state.cancel_reason is None:
                             _, final = await self._stream(frames, req, None)
             except QueueFull:
@@ -199,11 +200,15 @@ class TurnRunner:
             state.last_active = time.monotonic()
 
     def _admission(self, state: SessionState, req: Request, use_pin: bool,
-                   prefetched: int) -> tuple[Callable[[], bool], list[int]]:
+                   prefetched: range) -> tuple[Callable[[], bool], list[int]]:
         """The request's prefix, attached on the engine thread as the request is added (one round
         trip, `InferenceEngine.generate`'s `admit`): the session's pin if it holds the history, else
         the pool's cached prefix. Declines (the request is not added) when the disk tier may hold
-        more of the prompt's full blocks; the list then holds how many the pool had."""
+        more of the prompt's full blocks; the list then holds how many the pool had.
+
+        Tokens count as served by the disk tier only once a table holds their blocks: a prefetched
+        block evicted before the request is scheduled (another prefetch's install, say) served
+        nothing, and counting it made the device's share of the hits negative."""
         prompt = req.prompt
         bs = self.engine.block_size
         max_blocks = (len(prompt) - 1) // bs
@@ -217,11 +222,14 @@ class TurnRunner:
                     return True
                 table.release()
             device_blocks = self.engine.blocks.cached_prefix(prompt, req.salt, max_blocks)
-            req.cached_disk_tokens = min(prefetched, device_blocks * bs)
-            if self.disk is None or device_blocks >= max_blocks:
-                return True
-            uncached.append(device_blocks)
-            return False
+            if self.disk is not None and device_blocks < max_blocks:
+                uncached.append(device_blocks)
+                return False
+            if prefetched:  # held from here to the scheduler, so what was prefetched is what serves
+                req.prefix_table, _ = self.engine.blocks.install(prompt, req.salt, max_blocks, device_blocks, [],
+                                                                 req.request_id)
+                req.cached_disk_tokens = bs * _overlap(prefetched, len(req.prefix_table))
+            return True
 
         return admit, uncached
 
@@ -243,37 +251,37 @@ class TurnRunner:
                     final = out
         return admitted, final
 
-    async def _load_prefix(self, state: SessionState, req: Request, device_blocks: int) -> None:
-        """Extend the pool's `device_blocks` cached blocks of the prompt with those read back
-        from the disk tier (verified), as the request's prefix table."""
+    async def _load_prefix(self, state: SessionState, req: Request, device_blocks: int,
+                           prefetched: range) -> None:
+        """The request's prefix table: the pool's cached blocks of the prompt (`device_blocks` of
+        them when the disk read starts), extended by those read back from the disk tier (verified)."""
         disk = self.disk
         assert disk is not None
         prompt = req.prompt
         bs = self.engine.block_size
         max_blocks = (len(prompt) - 1) // bs
         tensors = await disk.load(chain_hashes(prompt, bs, req.salt)[device_blocks:max_blocks])
-        if not tensors:
-            return
 
         def install() -> None:
-            self._make_room(state.id, len(tensors))
+            if tensors:
+                self._make_room(state.id, len(tensors))
             table, loaded = self.engine.blocks.install(prompt, req.salt, max_blocks, device_blocks, tensors,
                                                        req.request_id)
-            req.cached_disk_tokens += loaded
             req.prefix_table = table
+            req.cached_disk_tokens = loaded + bs * _overlap(prefetched, len(table) - loaded // bs)
 
         await self.engine.on_thread(install)
 
-    async def _prefetched(self, state: SessionState) -> int:
-        """Wait for the session's prefetch, if one runs; the tokens it brought back."""
+    async def _prefetched(self, state: SessionState) -> range:
+        """Wait for the session's prefetch, if one runs; the blocks it brought back."""
         task, state.prefetching = state.prefetching, None
         if task is None:
-            return 0
+            return range(0)
         try:
             return await task
         except Exception:
             log.exception("prefetch failed in session %s", state.id)
-            return 0
+            return range(0)
 
     def prefetch(self, state: SessionState) -> None:
         """Start bringing the session's history back from the disk tier (on `hello`, or ahead of
@@ -285,7 +293,7 @@ class TurnRunner:
 
             def nothing_loaded(done: asyncio.Task[int]) -> None:
                 if state.prefetching is done and not done.cancelled() and done.exception() is None \
-                        and done.result() == 0:
+                        and not done.result():
                     state.prefetching = None
 
             task.add_done_callback(nothing_loaded)
@@ -305,9 +313,9 @@ class TurnRunner:
         if soonest is not None:
             self.prefetch(self.sessions.live[soonest])
 
-    async def load_history(self, state: SessionState) -> int:
+    async def load_history(self, state: SessionState) -> range:
         """Install the session's full blocks missing from the pool, read from the disk tier, as
-        cached-free blocks claimed by the session; returns how many tokens were installed."""
+        cached-free blocks claimed by the session; returns the installed blocks' places in the chain."""
         disk = self.disk
         assert disk is not None
         tokens = list(state.tokens)
@@ -322,18 +330,19 @@ class TurnRunner:
 
         device_blocks = await self.engine.on_thread(in_pool)
         if device_blocks >= max_blocks:
-            return 0
+            return range(0)
         tensors = await disk.load(chain_hashes(tokens, bs, salt)[device_blocks:max_blocks])
         if not tensors:
-            return 0
+            return range(0)
 
-        def install() -> int:
+        def install() -> range:
             blocks = self.engine.blocks
             self._make_room(state.id, len(tensors))
             table, loaded = blocks.install(tokens, salt, max_blocks, device_blocks, tensors, f"prefetch:{state.id}")
             blocks.claim(state.id, table.block_ids, use=False)
+            installed = range(len(table) - loaded // bs, len(table))
             table.release()
-            return loaded
+            return installed
 
         return await self.engine.on_thread(install)
 
@@ -381,13 +390,16 @@ class TurnRunner:
         except Exception:  # locked, disk full, a failover: memory keeps the history the database has
             log.exception("the turn of session %s could not be saved", state.id)
             saved, reason, error = False, FinishReason.ERROR, ErrorCode.INTERNAL
-        self.metrics.record_request(reason, stats.prompt_tokens, stats.cached_device_tokens,
-                                      stats.cached_disk_tokens, stats.queue_ms, stats.ttft_ms,
-                                      final.timings.inter_token_ms if final is not None and final.timings else [])
-        log_turn(tenant_id=state.tenant_id, session_id=state.id, request_id=req.request_id,
-                 prompt_tokens=stats.prompt_tokens, cached_device=stats.cached_device_tokens,
-                 cached_disk=stats.cached_disk_tokens, ttft_ms=stats.ttft_ms,
-                 completion_tokens=stats.completion_tokens, finish_reason=reason)
+        try:  # bookkeeping: a failure here must not keep `done` from the client, nor the table pinned
+            self.metrics.record_request(reason, stats.prompt_tokens, stats.cached_device_tokens,
+                                        stats.cached_disk_tokens, stats.queue_ms, stats.ttft_ms,
+                                        final.timings.inter_token_ms if final is not None and final.timings else [])
+            log_turn(tenant_id=state.tenant_id, session_id=state.id, request_id=req.request_id,
+                     prompt_tokens=stats.prompt_tokens, cached_device=stats.cached_device_tokens,
+                     cached_disk=stats.cached_disk_tokens, ttft_ms=stats.ttft_ms,
+                     completion_tokens=stats.completion_tokens, finish_reason=reason)
+        except Exception:
+            log.exception("could not record the turn of session %s", state.id)
         try:
             await self._pin(state, req, keep=saved)
         finally:
@@ -476,6 +488,11 @@ class TurnRunner:
         except Exception:
             log.exception("disk tier write failed")
 
+
+
+def _overlap(prefetched: range, held_blocks: int) -> int:
+    """How many of the prefetched blocks lie within the first `held_blocks` of the chain."""
+    return max(0, min(prefetched.stop, held_blocks) - prefetched.start)
 
 
 def turn_stats(req: Request, final: RequestOutput | None) -> TurnStats:
