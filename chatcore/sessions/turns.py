@@ -225,7 +225,7 @@ class TurnRunner:
             if self.disk is not None and device_blocks < max_blocks:
                 uncached.append(device_blocks)
                 return False
-            if prefetched:  # held from here to the scheduler, so what was prefetched is what serves
+            if prefetched:  # a table (no disk read) held from here to the scheduler: what was prefetched serves
                 req.prefix_table, _ = self.engine.blocks.install(prompt, req.salt, max_blocks, device_blocks, [],
                                                                  req.request_id)
                 req.cached_disk_tokens = bs * _overlap(prefetched, len(req.prefix_table))
@@ -291,7 +291,7 @@ class TurnRunner:
         if self.disk is not None and state.tokens and state.prefetching is None and not state.turn_running:
             task = state.prefetching = asyncio.create_task(self.load_history(state), name=f"prefetch-{state.id}")
 
-            def nothing_loaded(done: asyncio.Task[int]) -> None:
+            def nothing_loaded(done: asyncio.Task[range]) -> None:
                 if state.prefetching is done and not done.cancelled() and done.exception() is None \
                         and not done.result():
                     state.prefetching = None
@@ -390,7 +390,7 @@ class TurnRunner:
         except Exception:  # locked, disk full, a failover: memory keeps the history the database has
             log.exception("the turn of session %s could not be saved", state.id)
             saved, reason, error = False, FinishReason.ERROR, ErrorCode.INTERNAL
-        try:  # bookkeeping: a failure here must not keep `done` from the client, nor the table pinned
+        try:  # bookkeeping: a failure here must neither keep `done` from the client nor strand the table
             self.metrics.record_request(reason, stats.prompt_tokens, stats.cached_device_tokens,
                                         stats.cached_disk_tokens, stats.queue_ms, stats.ttft_ms,
                                         final.timings.inter_token_ms if final is not None and final.timings else [])
