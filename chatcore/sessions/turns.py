@@ -180,9 +180,9 @@ class TurnRunner:
                 if state.cancel_reason is None:
                     admitted, final = await self._stream(frames, req, admit)
                     if not admitted:  # blocks the disk tier may hold: read them back, then add it
-                        await self._load_prefix(state, req, uncached[0], prefetched)
+                        install = await self._load_prefix(state, req, uncached[0], prefetched)
                         if state.cancel_reason is None:
-                            _, final = await self._stream(frames, req, None)
+                            _, final = await self._stream(frames, req, install)
             except QueueFull:
                 error = ErrorCode.BUSY
             except Exception:  # the turn fails, the session and the server live on
@@ -252,9 +252,10 @@ class TurnRunner:
         return admitted, final
 
     async def _load_prefix(self, state: SessionState, req: Request, device_blocks: int,
-                           prefetched: range) -> None:
-        """The request's prefix table: the pool's cached blocks of the prompt (`device_blocks` of
-        them when the disk read starts), extended by those read back from the disk tier (verified)."""
+                           prefetched: range) -> Callable[[], bool]:
+        """Read back the prompt's blocks past the pool's `device_blocks` cached ones from the disk
+        tier (verified); returns the `admit` that installs them as the request's prefix table, in
+        the command that adds the request."""
         disk = self.disk
         assert disk is not None
         prompt = req.prompt
@@ -262,15 +263,16 @@ class TurnRunner:
         max_blocks = (len(prompt) - 1) // bs
         tensors = await disk.load(chain_hashes(prompt, bs, req.salt)[device_blocks:max_blocks])
 
-        def install() -> None:
+        def install() -> bool:
             if tensors:
                 self._make_room(state.id, len(tensors))
             table, loaded = self.engine.blocks.install(prompt, req.salt, max_blocks, device_blocks, tensors,
                                                        req.request_id)
             req.prefix_table = table
             req.cached_disk_tokens = loaded + bs * _overlap(prefetched, len(table) - loaded // bs)
+            return True
 
-        await self.engine.on_thread(install)
+        return install
 
     async def _prefetched(self, state: SessionState) -> range:
         """Wait for the session's prefetch, if one runs; the blocks it brought back."""
