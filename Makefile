@@ -9,20 +9,35 @@ PYTEST_ARGS ?=
 # `make test` runs the test files on this many pytest-xdist workers, a file's tests on one worker
 # (so module and session fixtures are shared as in a plain run); 0 runs them in this process.
 TEST_WORKERS ?= 2
-# The torch to install. On a GPU machine, a CUDA build, e.g.
-# make gpu-check TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
-TORCH ?= torch==2.13.0
+# Every package, transitive ones included, at one exact version: what setup installs (`make lock`
+# refreshes it). pyproject.toml keeps the ranges for those who install the library.
+LOCK := requirements.lock
+# The torch build to install first, at the locked version (the lock names torch's public version,
+# which a CPU or a CUDA build satisfies). On a GPU machine, a CUDA build, e.g.
+# make serve TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+TORCH ?= $(shell grep -m1 '^torch==' $(LOCK))
 
-.PHONY: setup serve test stress chromium services model bench gpu-check clean
+.PHONY: setup serve test stress chromium services model bench gpu-check lock clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(VENV)/bin/python
-	$(PIP) install --upgrade pip
+$(STAMP): pyproject.toml $(LOCK) | $(VENV)/bin/python
+	$(PIP) install $$(grep -m1 '^pip==' $(LOCK))
 	$(PIP) install $(TORCH)
-	$(PIP) install -e '.[dev]'
+	$(PIP) install -r $(LOCK)
+	$(PIP) install --no-deps --no-build-isolation -e .
+	$(PY) -m chatcore.environment --lock $(LOCK)
 	touch $(STAMP)
+
+# Resolve pyproject.toml's ranges (with the dev extra) afresh with pip-tools, torch held at the
+# version given; then `make setup` installs the new lock. Torch's local label (+cpu) is dropped.
+TORCH_VERSION ?= $(shell grep -m1 '^torch==' $(LOCK) | cut -d= -f3)
+lock: | $(VENV)/bin/python
+	$(PIP) install --quiet "pip-tools>=7.7"
+	echo "torch==$(TORCH_VERSION)" | $(VENV)/bin/pip-compile --quiet --upgrade --extra dev --strip-extras \
+	  --allow-unsafe --no-emit-index-url --no-emit-find-links --output-file $(LOCK) pyproject.toml -
+	sed -i -E 's/^(torch==[0-9.]+)\+[a-z0-9]+/\1/' $(LOCK)
 
 model: $(STAMP)
 	$(VENV)/bin/chatcore model fetch
@@ -65,7 +80,7 @@ bench: setup
 
 # The checks that need a CUDA GPU (bench/gpu_check.py); one line and exit 0 where there is none.
 gpu-check: $(STAMP)
-	$(PY) -m bench.gpu_check --out bench/results/gpu-check.json
+	$(PY) -m chatcore.bench.gpu_check --out bench/results/gpu-check.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from chatcore.config import Settings
 
 SUITES = ["throughput", "multiturn", "hitrate", "memory", "sharing", "resume", "server", "sessions"]
-MODULES = {"multiturn": "bench.multiturn", "hitrate": "bench.hitrate", "sessions": "bench.sessions"}
+MODULES = {suite: f"chatcore.bench.{suite}" for suite in ("multiturn", "hitrate", "sessions")}
 OPTIONS = ("sessions", "turns", "kv_cache_gb", "kv_disk_gb")  # suite parameters (the sessions suite's)
 
 
@@ -58,7 +58,7 @@ def _clean(value: Any) -> Any:
 
 
 def bench_command(args: argparse.Namespace, settings: Settings) -> int:
-    from bench.common import Context, CpuMonitor, busy_processes, progress
+    from chatcore.bench.common import Context, CpuMonitor, busy_processes, progress
 
     tiny = os.environ.get("CHATCORE_BENCH_TINY", "") not in ("", "0")
     names = SUITES if args.suite == "all" else [s.strip() for s in args.suite.split(",")]
@@ -89,7 +89,7 @@ def bench_command(args: argparse.Namespace, settings: Settings) -> int:
     if busy:
         _log("other busy processes right now (timings may be disturbed): " + "; ".join(busy))
     failures = 0
-    from bench import plots
+    from chatcore.bench import plots
 
     for name in progress(names, "suites", "suite"):
         _log(f"[{name}] running{' (quick)' if ctx.quick else ''}{' (tiny)' if tiny else ''}")
@@ -116,7 +116,7 @@ def bench_command(args: argparse.Namespace, settings: Settings) -> int:
             _log(f"    {t['verdict'].upper():12} {t['name']}: {_fmt(t['value'])} ({t['detail']})")
         _write(path, ctx, mode, suites, busy)
 
-    from bench.report import markdown_table
+    from chatcore.bench.report import markdown_table
 
     (out / "table.md").write_text(markdown_table(json.loads(path.read_text())))
     _log(f"wrote {path}, {out / 'table.md'} and plots in {out} ({time.monotonic() - started:.0f} s)")

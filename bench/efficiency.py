@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.common import Context, gemm_flops, median, num_params, target
-from bench.engine_runs import chat_prompts, run_batch
-from bench.workload import chat_workload
+from chatcore.bench.common import Context, gemm_flops, median, num_params, target
+from chatcore.bench.engine_runs import chat_prompts, run_batch
+from chatcore.bench.workload import chat_workload
 from chatcore.engine.core import EngineCore
 from chatcore.engine.request import SamplingParams
 

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any
 
-from bench.baselines import BatchRun
+from chatcore.bench.baselines import BatchRun
 from chatcore.engine.core import EngineCore
 from chatcore.engine.request import SamplingParams
 from chatcore.engine.scheduler import StepPlan

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import triton
 
-    from bench import kernels as kernel_bench
+    from chatcore.bench import kernels as kernel_bench
 
     started = time.perf_counter()
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -31,10 +31,11 @@ from __future__ import annotations
 import heapq
 from typing import Any
 
-from bench.common import Context, reported
-from bench.workload import Trace, TraceConfig, generate
+from chatcore.bench.common import Context, reported
+from chatcore.bench.workload import Trace, TraceConfig, generate
 from chatcore.cache import BlockPool, BlockTable, cache_salt, longest_prefix
 from chatcore.cache.errors import NoFreeBlocks
+
 
 def block_cost(depth: int, block_size: int, attention_ratio: float) -> float:
     """Relative cost of recomputing block `depth` (positions depth*bs .. depth*bs + bs - 1).

@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import reference
+from chatcore.kernels import dispatch as kernels
+from chatcore.kernels import reference
 
 
 @dataclass(frozen=True)

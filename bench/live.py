@@ -22,7 +22,7 @@ from typing import Any
 
 import websockets
 
-from bench.common import Context
+from chatcore.bench.common import Context
 from chatcore.cluster import free_port, wait_http
 
 TURN_TIMEOUT_S = 600

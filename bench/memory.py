@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from bench.common import Context, reported, target
-from bench.workload import Trace, TraceConfig, generate
+from chatcore.bench.common import Context, reported, target
+from chatcore.bench.workload import Trace, TraceConfig, generate
 from chatcore.cache import BlockPool, BlockTable, cache_salt, longest_prefix
 from chatcore.cache.errors import NoFreeBlocks
 from chatcore.kv.tensors import KVTensors

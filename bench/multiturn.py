@@ -24,10 +24,10 @@ import random
 import uuid
 from typing import Any
 
-from bench import baselines
-from bench.common import Context, median, target
-from bench.engine_runs import fresh_core, run_batch
-from bench.workload import text_of_tokens
+from chatcore.bench import baselines
+from chatcore.bench.common import Context, median, target
+from chatcore.bench.engine_runs import fresh_core, run_batch
+from chatcore.bench.workload import text_of_tokens
 from chatcore.engine.request import SamplingParams
 
 IM_END, NEWLINE = 2, 198

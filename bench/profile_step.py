@@ -23,14 +23,14 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.engine_runs import chat_prompts
-from bench.workload import chat_workload
+from chatcore.bench.engine_runs import chat_prompts
+from chatcore.bench.workload import chat_workload
 from chatcore.config import Settings
 from chatcore.engine import detok
 from chatcore.engine.core import EngineCore
 from chatcore.engine.request import SamplingParams
+from chatcore.kernels import native
 from chatcore.models.loader import load_model
-from kernels import native
 
 OP_GROUPS = {
     "matmul": {"aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"},

@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.cli import SUITES
-from bench.common import CpuMonitor
+from chatcore.bench.cli import SUITES
+from chatcore.bench.common import CpuMonitor
 
 
 def foreign_cores(window_s: float) -> float:

@@ -27,9 +27,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench import live
-from bench.common import Context, median, target
-from bench.workload import text_of_tokens
+from chatcore.bench import live
+from chatcore.bench.common import Context, median, target
+from chatcore.bench.workload import text_of_tokens
 
 ANSWER_TOKENS = 16
 

@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import live
-from bench.common import Context, median, target
-from bench.engine_runs import chat_prompts
-from bench.workload import chat_workload
+from chatcore.bench import live
+from chatcore.bench.common import Context, median, target
+from chatcore.bench.engine_runs import chat_prompts
+from chatcore.bench.workload import chat_workload
 from chatcore.engine.engine import InferenceEngine
 from chatcore.engine.request import SamplingParams
 

@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from bench import live
-from bench.common import Context, median, quantile, target
-from bench.replay import Request, replay
-from bench.workload import TOKEN_HI, TOKEN_LO, text_of_tokens
+from chatcore.bench import live
+from chatcore.bench.common import Context, median, quantile, target
+from chatcore.bench.replay import Request, replay
+from chatcore.bench.workload import TOKEN_HI, TOKEN_LO, text_of_tokens
 from chatcore.engine.core import depth_cost, kv_storage_dtype
 from chatcore.sessions.template import ChatTemplate
 

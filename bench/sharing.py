@@ -15,9 +15,9 @@ import statistics
 import uuid
 from typing import Any
 
-from bench.common import Context, target
-from bench.engine_runs import chat_prompts, fresh_core
-from bench.workload import TraceConfig, generate, text_of_tokens
+from chatcore.bench.common import Context, target
+from chatcore.bench.engine_runs import chat_prompts, fresh_core
+from chatcore.bench.workload import TraceConfig, generate, text_of_tokens
 from chatcore.cache import audit
 from chatcore.engine.core import EngineCore
 from chatcore.engine.request import SamplingParams

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench import baselines, efficiency
-from bench.common import (
+from chatcore.bench import baselines, efficiency
+from chatcore.bench.common import (
     Context,
     gemm_flops,
     median,
@@ -39,8 +39,8 @@ from bench.common import (
     num_params,
     target,
 )
-from bench.engine_runs import chat_prompts, fresh_core, run_batch
-from bench.workload import chat_workload
+from chatcore.bench.engine_runs import chat_prompts, fresh_core, run_batch
+from chatcore.bench.workload import chat_workload
 from chatcore.engine.request import SamplingParams
 
 

@@ -22,6 +22,7 @@ from chatcore.config import (
     load_config,
 )
 from chatcore.config_flags import add_settings_flags
+from chatcore.environment import check_at_start
 from chatcore.models.errors import ModelUnavailable
 
 Handler = Callable[[argparse.Namespace, Settings], int]
@@ -78,7 +79,7 @@ def _cluster(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _bench(args: argparse.Namespace, settings: Settings) -> int:
-    from bench.cli import bench_command
+    from chatcore.bench.cli import bench_command
 
     return bench_command(args, settings)
 
@@ -179,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not check_at_start():  # a missing or conflicting package: one line each, not a traceback
+        return 2
     try:
         args.config_loaded = load_config({key: getattr(args, key, None) for key in Settings.model_fields},
                                          args.config)
@@ -193,7 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             resolve_device(settings.device)
             if settings.model != DEFAULT_MODEL:  # a missing model fails here, before a server starts
-                from chatcore.models.loader import resolve_model_path  # transformers: seconds to import
+                from chatcore.models.loader import (
+                    resolve_model_path,  # transformers: seconds to import
+                )
 
                 resolve_model_path(settings)
         except (DeviceUnavailable, ModelUnavailable) as exc:

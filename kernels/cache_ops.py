@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import LazyKernel, require_launchable
+from chatcore.kernels._triton import LazyKernel, require_launchable
 
 
 def _store_kv_kernel(

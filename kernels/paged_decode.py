@@ -26,7 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import LazyKernel, interpreted, max_combine, require_launchable, sum_combine
+from chatcore.kernels._triton import (
+    LazyKernel,
+    interpreted,
+    max_combine,
+    require_launchable,
+    sum_combine,
+)
 
 _LOG2E = math.log2(math.e)
 # Tokens per inner-loop tile when blocks are smaller than this (several blocks per tile).

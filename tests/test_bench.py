@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import hitrate, memory
-from bench.workload import TraceConfig, generate
+from chatcore.bench import hitrate, memory
+from chatcore.bench.workload import TraceConfig, generate
 from tests.bench_fixtures import BenchRun
 
 # SmolLM2-135M's attention FLOPs per position over its linear FLOPs per token (4 x 30 layers x 9
@@ -104,8 +104,8 @@ def test_bench_all_quick_tiny(bench_all_quick_tiny: BenchRun) -> None:
 
 
 def test_a_missed_target_fails_the_run_unless_no_fail() -> None:
-    from bench.cli import exit_code
-    from bench.common import reported, target
+    from chatcore.bench.cli import exit_code
+    from chatcore.bench.common import reported, target
 
     met, missed = target("fast", 2.0, ">=", 1.0), target("faster", 0.5, ">=", 1.0)
     suites = {"a": {"targets": [met, reported("figure", 3.0)]}, "b": {"targets": [missed]}}
@@ -117,8 +117,8 @@ def test_a_missed_target_fails_the_run_unless_no_fail() -> None:
 
 
 def test_repeats_on_both_sides_of_a_threshold_are_inconclusive() -> None:
-    from bench.cli import exit_code
-    from bench.common import target
+    from chatcore.bench.cli import exit_code
+    from chatcore.bench.common import target
 
     straddles = target("spread", 1.35, ">=", 1.3, runs=[1.2, 1.35, 1.4])
     assert straddles["verdict"] == "inconclusive" and straddles["met"] is False

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.replay import Request, belady_hits, one_slot_hits, pool_hits, replay
-from bench.sessions import OVERFLOW, overflow_tiers
+from chatcore.bench.replay import Request, belady_hits, one_slot_hits, pool_hits, replay
+from chatcore.bench.sessions import OVERFLOW, overflow_tiers
 
 BS = 4
 

@@ -63,7 +63,7 @@ def test_the_cli_exits_2_with_one_line_naming_the_device(tmp_path, argv: list[st
 @no_cuda
 def test_gpu_check_says_in_one_line_that_there_is_no_gpu(tmp_path) -> None:
     report = tmp_path / "gpu-check.json"
-    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--out", str(report)], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "chatcore.bench.gpu_check", "--out", str(report)], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done
     assert done.stdout.strip().splitlines() == [f"gpu-check: skipped, no CUDA device (torch {torch.__version__} sees none)"]

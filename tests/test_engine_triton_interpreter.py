@@ -16,9 +16,8 @@ from collections import Counter
 import pytest
 import triton  # noqa: F401  imported before TRITON_INTERPRET is set: see kernels/_triton.py
 
-import kernels.cache_ops
-import kernels.paged_decode
 from chatcore.engine.request import SamplingParams
+from chatcore.kernels import cache_ops, paged_decode
 from tests.engine_helpers import QUESTIONS, chat_ids, hf_greedy, run_to_end
 
 pytestmark = pytest.mark.model
@@ -31,8 +30,8 @@ def triton_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     """Run the kernels in Triton's interpreter and count the launches of each."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     calls: Counter[str] = Counter()
-    for module, name in ((kernels.paged_decode, "paged_decode_attention"), (kernels.cache_ops, "store_kv"),
-                         (kernels.cache_ops, "copy_blocks")):
+    for module, name in ((paged_decode, "paged_decode_attention"), (cache_ops, "store_kv"),
+                         (cache_ops, "copy_blocks")):
         real = getattr(module, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):  # type: ignore[no-untyped-def]

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import reference
+from chatcore.kernels import reference
 from tests.test_kernels_reference import dense_attention, make_case
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-import kernels
-from kernels import native, reference
+from chatcore.kernels import dispatch as kernels
+from chatcore.kernels import native, reference
 from tests.test_kernels_reference import case_strategies, dense_attention, make_case
 
 REPO = Path(__file__).resolve().parents[1]
@@ -118,8 +118,8 @@ def test_without_a_compiler_the_reference_serves(tmp_path):
     env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "XDG_CACHE_HOME": str(tmp_path)}
     env.pop("TRITON_INTERPRET", None)
     code = (
-        "import logging, torch, kernels\n"
-        "from kernels import native, reference\n"
+        "import logging, torch\n"
+        "from chatcore.kernels import dispatch as kernels, native, reference\n"
         "from tests.test_kernels_reference import make_case\n"
         "logging.basicConfig(level=logging.WARNING)\n"
         "case = make_case([9, 30], num_kv_heads=1, group=3, head_dim=16, block_size=8, dtype=torch.float32)\n"

@@ -1,4 +1,5 @@
-"""The `kernels` package as the engine and transformers see it: cheap import, CPU dispatch."""
+"""The `chatcore.kernels` package as the engine sees it: cheap import, CPU dispatch, and no shadowing of
+Hugging Face's `kernels`."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ import sys
 from pathlib import Path
 
 import torch
-from packaging.version import Version
 
-import kernels
-from kernels import reference
+from chatcore.kernels import dispatch as kernels
+from chatcore.kernels import reference
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,31 +25,33 @@ def run_python(code: str) -> str:
     return result.stdout
 
 
-def test_version_stays_below_what_transformers_accepts():
-    assert Version(kernels.__version__) < Version("0.18")
-
-
 def test_import_is_cheap():
-    out = run_python("import sys, kernels; print('torch' in sys.modules, 'triton' in sys.modules)")
+    out = run_python("import sys, chatcore.kernels.dispatch; print('torch' in sys.modules, 'triton' in sys.modules)")
     assert out.split() == ["False", "False"]
 
 
-def test_transformers_does_not_take_it_for_hf_kernels():
+def test_the_checkout_root_shadows_no_kernels_package():
+    """From the checkout root, `import kernels` is Hugging Face's distribution, which transformers imports;
+    ours is `chatcore.kernels` alone, and kernels/ is no regular package (no __init__.py)."""
     out = run_python(
-        "import importlib.util, transformers\n"
-        "from transformers.utils import is_kernels_available\n"
-        "print(importlib.util.find_spec('kernels').origin)\n"
-        "print(is_kernels_available())\n"
+        "import importlib.metadata, kernels, transformers.modeling_utils\n"
+        "from chatcore.kernels import dispatch\n"
+        "print(kernels.__file__)\n"
+        "print(importlib.metadata.packages_distributions()['kernels'])\n"
+        "print(dispatch.__name__)\n"
     )
-    origin, available = out.split()
-    assert Path(origin) == REPO / "kernels" / "__init__.py"
-    assert available == "False"
+    origin, dists, name = out.splitlines()
+    assert not Path(origin).is_relative_to(REPO / "kernels"), origin
+    assert dists == "['kernels']"
+    assert name == "chatcore.kernels.dispatch"
+    assert not (REPO / "kernels" / "__init__.py").exists()
+    assert not (REPO / "bench" / "__init__.py").exists()
 
 
 def test_cpu_calls_run_the_c_path_or_the_reference_without_triton():
     out = run_python(
-        "import sys, torch, kernels\n"
-        "from kernels import native, reference\n"
+        "import sys, torch\n"
+        "from chatcore.kernels import dispatch as kernels, native, reference\n"
         "g = torch.Generator().manual_seed(0)\n"
         "kc, vc = torch.randn(6, 8, 2, 16, generator=g), torch.randn(6, 8, 2, 16, generator=g)\n"
         "q = torch.randn(2, 4, 16, generator=g)\n"

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import reference
+from chatcore.kernels import reference
 
 
 def dense_attention(query, key_cache, value_cache, block_tables, context_lens, scale) -> torch.Tensor:

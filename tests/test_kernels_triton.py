@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import reference
-from kernels.paged_decode import pick_num_splits
+from chatcore.kernels import dispatch as kernels
+from chatcore.kernels import reference
+from chatcore.kernels.paged_decode import pick_num_splits
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -306,7 +306,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime import JITFunction
-from kernels import cache_ops, paged_decode
+from chatcore.kernels import cache_ops, paged_decode
 
 def compile_kernel(fn, pointers, constexprs):
     kernel = JITFunction(fn)
@@ -357,8 +357,8 @@ def test_interpreter_works_after_triton_was_imported_compiled():
     """torch._dynamo (and so a test session) may import triton before TRITON_INTERPRET is set."""
     assert run_python("""
 import os, torch, triton
-import kernels
-from kernels import reference
+from chatcore.kernels import dispatch as kernels
+from chatcore.kernels import reference
 os.environ["TRITON_INTERPRET"] = "1"
 g = torch.Generator().manual_seed(0)
 kc, vc = torch.randn(6, 8, 2, 16, generator=g), torch.randn(6, 8, 2, 16, generator=g)

@@ -20,10 +20,10 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-import kernels
 from chatcore.engine import core as core_module
 from chatcore.engine.core import EngineCore
 from chatcore.engine.request import SamplingParams
+from chatcore.kernels import dispatch as kernels
 from tests.engine_helpers import LONG_SYSTEM, QUESTIONS, chat_ids
 
 pytestmark = pytest.mark.model

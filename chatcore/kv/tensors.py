@@ -8,10 +8,11 @@ the same index in every layer, so the bookkeeping in `chatcore.cache` maps strai
 from __future__ import annotations
 
 import math
+
 import numpy as np
 import torch
 
-import kernels
+from chatcore.kernels import dispatch as kernels
 
 # The dtypes a model or its KV may have, by the name settings and block files give them.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

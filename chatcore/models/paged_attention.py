@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-import kernels
+from chatcore.kernels import dispatch as kernels
 from chatcore.kv.tensors import KVTensors
 from chatcore.models.support import AttentionProbe
 

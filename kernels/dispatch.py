@@ -1,30 +1,26 @@
-"""Paged attention kernels (Triton, and C for the CPU's decode) and their torch references.
+"""The kernels' one entry: paged decode attention, the KV store and the block copy.
 
 The engine calls these three functions and nothing else. Each runs the Triton kernel on CUDA
 tensors, and in Triton's interpreter on CPU tensors while `TRITON_INTERPRET=1` is set (checked
 at every call, whenever triton was imported: see kernels/_triton.py). Otherwise decode
-attention runs the C kernel (`kernels.native`, built on first use) where it takes the
-arguments, and everything else the torch reference in `kernels.reference`: together, the
-engine's CPU path. Layouts: query [S, H, D]; key_cache and value_cache
+attention runs the C kernel (`chatcore.kernels.native`, built on first use) where it takes the
+arguments, and everything else the torch reference in `chatcore.kernels.reference`: together,
+the engine's CPU path. Layouts: query [S, H, D]; key_cache and value_cache
 [num_blocks, block_size, KVH, D]; block_tables int32 [S, max_blocks]; context_lens int32 [S].
 
-Importing this package imports neither torch nor triton (transformers probes for a package
-named `kernels` and may import it); they load on first call.
-
-`__version__` must stay a PEP 440 version below 0.18: transformers compares it against the
-range it accepts for the Hugging Face `kernels` package, and must keep finding it too old.
+Importing this module imports neither torch nor triton; they load on first call. The folder
+kernels/ is imported as `chatcore.kernels` only (it has no __init__.py): a top-level `kernels`
+is Hugging Face's package, which transformers imports.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kernels._mode import interpreting
+from chatcore.kernels._mode import interpreting
 
 if TYPE_CHECKING:
     import torch
-
-__version__ = "0.1.0"
 
 __all__ = ["copy_blocks", "paged_decode_attention", "store_kv"]
 
@@ -53,16 +49,16 @@ def paged_decode_attention(
     max_blocks * block_size. `num_splits` sets the Triton kernel's split-K factor (None: a
     heuristic from the table capacity, batch and heads); the reference path ignores it.
     """
-    from kernels import _validate
+    from chatcore.kernels import _validate
 
     _validate.check_decode(query, key_cache, value_cache, block_tables, context_lens, out)
     if _use_triton(query):
-        from kernels import paged_decode
+        from chatcore.kernels import paged_decode
 
         return paged_decode.paged_decode_attention(
             query, key_cache, value_cache, block_tables, context_lens, scale, num_splits, out
         )
-    from kernels import native, reference
+    from chatcore.kernels import native, reference
 
     if native.accepts(query, key_cache, value_cache, block_tables, context_lens):
         result = native.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
@@ -84,13 +80,13 @@ def store_kv(
 
     A slot is block_id * block_size + offset_in_block. Values are cast to the cache dtype.
     """
-    from kernels import _validate
+    from chatcore.kernels import _validate
 
     _validate.check_store(key, value, key_cache, value_cache, slot_mapping)
     if _use_triton(key_cache):
-        from kernels import cache_ops as impl
+        from chatcore.kernels import cache_ops as impl
     else:
-        from kernels import reference as impl
+        from chatcore.kernels import reference as impl
     impl.store_kv(key, value, key_cache, value_cache, slot_mapping)
 
 
@@ -99,11 +95,11 @@ def copy_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, src: torch.T
 
     dst ids must be distinct and disjoint from src.
     """
-    from kernels import _validate
+    from chatcore.kernels import _validate
 
     _validate.check_copy(key_cache, value_cache, src, dst)
     if _use_triton(key_cache):
-        from kernels import cache_ops as impl
+        from chatcore.kernels import cache_ops as impl
     else:
-        from kernels import reference as impl
+        from chatcore.kernels import reference as impl
     impl.copy_blocks(key_cache, value_cache, src, dst)

@@ -1,1 +1,0 @@
-"""Benchmarks: chatcore against its baselines, measured in the same run."""
