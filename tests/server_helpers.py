@@ -86,8 +86,9 @@ class LiveServer:
         return self.log_path.read_text(errors="replace")
 
 
-def start_server(data_dir: Path, **settings: str) -> LiveServer:
-    """Start `chatcore serve` with CHATCORE_* settings; returns once /healthz answers."""
+def start_server(data_dir: Path, *, command: tuple[str, ...] = ("-m", "chatcore.cli"), **settings: str) -> LiveServer:
+    """Start `chatcore serve` (`command`: the Python arguments before `serve`) with CHATCORE_* settings;
+    returns once /healthz answers."""
     port = free_port()
     env = {**os.environ, "CHATCORE_DATA_DIR": str(data_dir), "CHATCORE_PORT": str(port),
            "CHATCORE_HOST": "127.0.0.1", "CHATCORE_KV_CACHE_GB": "0.25"}
@@ -95,7 +96,7 @@ def start_server(data_dir: Path, **settings: str) -> LiveServer:
     data_dir.mkdir(parents=True, exist_ok=True)
     log_path = data_dir / f"server-{port}.log"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "chatcore.cli", "serve"], env=env, stdout=log,
+        proc = subprocess.Popen([sys.executable, *command, "serve"], env=env, stdout=log,
                                 stderr=subprocess.STDOUT)
     server = LiveServer(f"http://127.0.0.1:{port}", data_dir, proc, env, log_path)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S

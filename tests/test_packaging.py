@@ -1,15 +1,19 @@
-"""The wheel, installed outside the checkout, serves the UI, migrates its database and answers a chat
-turn without triton.
+"""A newcomer's check: the wheel, installed outside the checkout, serves the UI, migrates its database
+and answers a chat turn over HTTP and over the WebSocket, without triton.
 
 The wheel is built from a copy of the files a clone would have (tracked, plus untracked files git
 does not ignore), then installed with `--no-deps` into a fresh venv. That venv sees the
-dependencies already installed here through a `.pth` file naming a folder of links to this
-environment's site-packages, less chatcore itself and triton: nothing is downloaded, and only the
-installed wheel can provide `chatcore`, `kernels`, `web/` and `migrations/`.
+dependencies already installed here (Hugging Face's `kernels` among them, which transformers
+imports) through a `.pth` file naming a folder of links to this environment's site-packages, less
+chatcore itself and triton: nothing is downloaded, and only the installed wheel can provide
+`chatcore`, `chatcore.kernels`, `web/` and `migrations/`. The wheel installs `chatcore` and no other
+top-level name.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 import sqlite3
@@ -22,15 +26,16 @@ import zipfile
 from dataclasses import dataclass
 from email.parser import Parser
 from pathlib import Path
+from typing import Any
 
 import pytest
 from alembic.script import ScriptDirectory
 from packaging.requirements import Requirement
 
-from tests.server_helpers import LiveServer, free_port
+from tests.server_helpers import LiveServer, free_port, recv_until
 
 REPO = Path(__file__).resolve().parents[1]
-HIDDEN = ("chatcore", "kernels", "bench", "__editable__", "triton")  # site-packages entries the venv must not see
+HIDDEN = ("chatcore", "__editable__", "triton")  # site-packages entries the venv must not see
 STARTUP_TIMEOUT_S = 60
 
 pytestmark = pytest.mark.model
@@ -52,12 +57,14 @@ def _run(args: list[str | Path], **kwargs: object) -> subprocess.CompletedProces
 
 
 def _clone_files(dest: Path) -> None:
-    """Copy what a fresh clone (plus new, unignored files) holds: no build outputs, no venv."""
+    """Copy what a fresh clone (plus new, unignored files) holds, links as links: no build outputs, no venv."""
     listed = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO).stdout
     for name in filter(None, listed.split("\0")):
         source = REPO / name
-        if source.is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        if source.is_symlink():  # chatcore/kernels and chatcore/bench, as git keeps them
+            (dest / name).symlink_to(os.readlink(source))
+        elif source.is_file():
             (dest / name).write_bytes(source.read_bytes())
 
 
@@ -104,8 +111,20 @@ def test_wheel_requires_triton_only_on_linux(installed: Installed) -> None:
     assert not triton.marker.evaluate({"platform_system": "Windows", "extra": ""})
 
 
+def test_the_wheel_installs_one_top_level_name_that_no_other_distribution_provides(installed: Installed,
+                                                                                    tmp_path: Path) -> None:
+    with zipfile.ZipFile(installed.wheel) as wheel:
+        top = {name.split("/", 1)[0] for name in wheel.namelist()}
+    assert {name for name in top if not name.endswith(".dist-info")} == {"chatcore"}
+    probe = ("import importlib.metadata as m, json; "
+             "print(json.dumps({n: d for n, d in m.packages_distributions().items() if 'chatcore' in d}))")
+    out = _run([installed.bin / "python", "-c", probe], cwd=tmp_path, env=_outside_env(tmp_path)).stdout
+    assert json.loads(out) == {"chatcore": ["chatcore"]}
+
+
 def test_the_venv_runs_the_installed_package(installed: Installed, tmp_path: Path) -> None:
-    probe = ("import importlib.util, pathlib, chatcore, kernels, chatcore.resources as r; "
+    probe = ("import importlib.util, pathlib, chatcore, chatcore.resources as r; "
+             "from chatcore.kernels import dispatch as kernels; "
              "c_source = pathlib.Path(kernels.__file__).with_name('cpu_decode.c'); "
              "print(chatcore.__file__, kernels.__file__, c_source, r.WEB_DIR, r.MIGRATIONS_DIR, r.NGINX_TEMPLATE, "
              "sep='\\n'); "
@@ -130,6 +149,18 @@ def _wait_healthy(server: LiveServer) -> None:
         except OSError:
             time.sleep(0.2)  # polling for the port to open
     raise AssertionError(f"chatcore serve did not answer /healthz within {STARTUP_TIMEOUT_S} s:\n{server.log()}")
+
+
+async def _ws_turn(server: LiveServer) -> dict[str, Any]:
+    """One turn over the WebSocket: its `done` frame, after at least one token of text."""
+    async with server.connect() as ws:
+        await ws.send(json.dumps({"type": "hello", "session_id": None}))
+        await recv_until(ws, "session")
+        await ws.send(json.dumps({"type": "user", "id": "q1", "content": "Say hello.",
+                                  "params": {"max_tokens": 4, "temperature": 0}}))
+        frames = await recv_until(ws, "done")
+    assert "".join(f["text"] for f in frames if f["type"] == "token").strip(), frames
+    return frames[-1]
 
 
 def _get_bytes(url: str) -> bytes:
@@ -158,7 +189,11 @@ def test_installed_serve_outside_the_checkout(installed: Installed, tmp_path: Pa
             "model": "SmolLM2-135M-Instruct", "max_tokens": 4, "temperature": 0,
             "messages": [{"role": "user", "content": "Say hello."}]})
         assert status == 200, reply
+        (choice,) = reply["choices"]
+        assert choice["finish_reason"] in ("stop", "length") and choice["message"]["content"].strip(), reply
         assert reply["usage"]["completion_tokens"] > 0
+        done = asyncio.run(_ws_turn(server))
+        assert done["finish_reason"] in ("stop", "length"), done
     finally:
         server.stop(signal.SIGTERM)
     assert proc.returncode in (0, -signal.SIGTERM), server.log()  # uvicorn re-raises the signal it handled
@@ -166,4 +201,5 @@ def test_installed_serve_outside_the_checkout(installed: Installed, tmp_path: Pa
     head = ScriptDirectory(str(installed.source / "migrations")).get_current_head()
     with sqlite3.connect(data_dir / "chatcore.db") as db:
         assert db.execute("SELECT version_num FROM alembic_version").fetchall() == [(head,)]
-        assert db.execute("SELECT title FROM sessions").fetchall() == [("from the wheel",)]
+        # the one made over HTTP, and the WebSocket turn's (untitled)
+        assert sorted(db.execute("SELECT title FROM sessions").fetchall()) == [("",), ("from the wheel",)]

@@ -1,12 +1,20 @@
-"""`/readyz` (the engine thread and the database answer) beside `/healthz` (the loop answers)."""
+"""`/readyz` (the engine generates, the database answers) beside `/healthz` (the loop answers), and the
+start's warm-up: a server whose engine cannot generate never reports ready."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
 
 from chatcore.config import Settings
+from tests.failing_runner import INJECTED
 from tests.inprocess_server import serve
+from tests.server_helpers import GREEDY, free_port, start_server
 
 pytestmark = pytest.mark.model
 
@@ -21,5 +29,52 @@ async def test_readyz_says_ready_then_names_a_stopped_engine(tmp_path, loaded_fp
         server.services.engine.shutdown()  # as if the engine thread had died
         gone = await http.get("/readyz")
         assert gone.status_code == 503
-        assert gone.json() == {"status": "not ready", "checks": {"engine": "failing", "database": "ok"}}
+        assert gone.json() == {"status": "not ready", "checks": {"engine": "failing", "database": "ok"},
+                               "causes": {"engine": "EngineStopped: the engine is shutting down"}}
         assert (await http.get("/healthz")).status_code == 200  # alive, not ready: restart it, do not route to it
+
+
+LAUNCHER = ("-m", "tests.failing_runner")
+WARMUP_TIMEOUT_S = 180
+
+
+def test_a_warm_up_that_fails_stops_the_start_with_one_line(tmp_path: Path, default_model_dir: Path) -> None:
+    """The model loads, but the engine cannot generate: the server exits non-zero before it ever
+    answers, and says why in one line, without a traceback."""
+    flag = tmp_path / "broken"
+    flag.touch()
+    env = {**os.environ, "CHATCORE_DATA_DIR": str(tmp_path / "data"), "CHATCORE_PORT": str(free_port()),
+           "CHATCORE_HOST": "127.0.0.1", "CHATCORE_KV_CACHE_GB": "0.25"}
+    done = subprocess.run([sys.executable, *LAUNCHER, str(flag), "serve"], env=env, capture_output=True, text=True,
+                          timeout=WARMUP_TIMEOUT_S)
+    log = done.stdout + done.stderr
+    assert done.returncode == 3, log
+    (line,) = [line for line in log.splitlines() if "not ready" in line]
+    assert "the warm-up generation failed" in line and INJECTED in line, line
+    assert "NotReady" not in log, log  # no second telling of it as a traceback
+    assert "Uvicorn running" not in log, log
+
+
+def test_a_failing_step_turns_readyz_to_503_with_its_cause_until_it_generates_again(
+        tmp_path: Path, default_model_dir: Path) -> None:
+    flag = tmp_path / "broken"
+    server = start_server(tmp_path / "data", command=(*LAUNCHER, str(flag)))
+    try:
+        assert server.get("/readyz") == (200, {"status": "ready", "checks": {"engine": "ok", "database": "ok"}})
+        flag.touch()  # the device breaks while serving
+        status, reply = server.request("POST", "/v1/chat/completions", {
+            **GREEDY, "max_tokens": 4, "messages": [{"role": "user", "content": "Say hello."}]})
+        assert status == 500, reply
+        status, body = server.get("/readyz")
+        assert status == 503, body
+        assert body["checks"] == {"engine": "failing", "database": "ok"}
+        assert body["causes"]["engine"] == f"RuntimeError: {INJECTED}"
+        assert server.get("/healthz")[0] == 200  # alive: a supervisor restarts it, a balancer routes around it
+        flag.unlink()  # a transient fault: the next check generates, and the server is ready again
+        assert server.get("/readyz") == (200, {"status": "ready", "checks": {"engine": "ok", "database": "ok"}})
+        status, reply = server.request("POST", "/v1/chat/completions", {
+            **GREEDY, "max_tokens": 4, "messages": [{"role": "user", "content": "Say hello."}]})
+        assert status == 200 and reply["choices"][0]["message"]["content"], reply
+    finally:
+        server.stop()
+    assert "Traceback" in server.log()  # the failing step itself is logged with its stack, once per failure

@@ -20,6 +20,7 @@ from chatcore.config import Settings
 from chatcore.engine.beam import BeamSearch
 from chatcore.engine.choices import StepChoices
 from chatcore.engine.detok import IncrementalDetokenizer
+from chatcore.engine.errors import describe_failure
 from chatcore.engine.grammar import Grammars
 from chatcore.engine.outputs import (
     CompletedSeq,
@@ -89,6 +90,8 @@ class EngineCore:
         self.grammars = Grammars(self.tokenizer, self.vocab_size, loaded.stop_token_ids)
         self.on_step: list[Callable[[StepPlan], None]] = []
         self.steps = 0
+        # Why the last step that ran the model failed; None once one succeeds (readiness reads it).
+        self.step_failure: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -185,11 +188,13 @@ class EngineCore:
             logits = self.runner.execute(plan)
         except Exception as exc:  # a failed step fails its requests, never the engine
             log.exception("engine step failed")
+            self.step_failure = describe_failure(exc)
             for req in dict.fromkeys(e.req for e in entries):
                 req.fail(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", FinishReason.ERROR)
                 outputs[req.request_id] = self._finish(req)
             return list(outputs.values())
         self.steps += 1
+        self.step_failure = None
         for entry in entries:
             seq = entry.seq
             seq.num_computed = entry.start + entry.num_tokens

@@ -27,6 +27,7 @@ from chatcore.cache.pool import PoolStats
 from chatcore.config import Settings
 from chatcore.engine.block_ops import BlockOps
 from chatcore.engine.core import EngineCore
+from chatcore.engine.errors import describe_failure
 from chatcore.engine.grammar import Grammars
 from chatcore.engine.outputs import RequestOutput
 from chatcore.engine.request import Request, SamplingParams
@@ -89,6 +90,9 @@ class InferenceEngine:
         self.prefill_quiet = threading.Event()
         self.prefill_quiet.set()
         self.housekeeping: list[Callable[[], None]] = []
+        # Why the last step failed, set by the engine thread and cleared when a step computes again:
+        # readiness reads it (chatcore/engine/warmup.py).
+        self.failure: str | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings, loaded: LoadedModel | None = None,
@@ -128,6 +132,8 @@ class InferenceEngine:
                     before = self.core.steps
                     outputs = self.core.step()
                     computed = self.core.steps != before
+                    if computed or self.core.step_failure is not None:  # a step that ran the model, or failed to
+                        self.failure = self.core.step_failure
                     self.preemptions = self.core.scheduler.preemptions
                     for out in outputs:
                         self._dispatch(out)
@@ -137,6 +143,7 @@ class InferenceEngine:
                     self._wake.clear()
             except Exception as exc:  # never let one bad step kill the server
                 log.exception("engine loop error")
+                self.failure = describe_failure(exc)
                 self._fail_all(exc)
         while True:  # run what was queued after the loop's last drain
             try:

@@ -14,6 +14,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from sqlalchemy import func, select
 
+from chatcore.engine.warmup import NotReady
 from chatcore.periodic import Periodic
 from chatcore.server.auth import Principal
 from chatcore.server.errors import ApiError
@@ -35,28 +36,36 @@ async def healthz() -> dict[str, str]:
 
 @get("/readyz")
 async def readyz(services: Services) -> Response[dict[str, Any]]:
-    """Readiness: the engine thread runs a command between two steps, and the database answers a
-    query, each within `READY_TIMEOUT_S`. 503 names the failing check (and nothing more)."""
+    """Readiness, each check within `READY_TIMEOUT_S`: the engine (its thread answers between two
+    steps and, while its last step failed, a short generation succeeds again: chatcore/engine/warmup.py)
+    and the database (a query). 503 names the failing checks, with the engine's cause."""
 
     async def database() -> None:
         async with services.sessionmaker() as db:
             await db.execute(select(1))
 
-    checks = {"engine": await _answers(services.engine.on_thread(lambda: None)),
-              "database": await _answers(database())}
-    ready = all(checks.values())
-    return Response({"status": "ready" if ready else "not ready",
-                     "checks": {name: "ok" if ok else "failing" for name, ok in checks.items()}},
-                    status_code=200 if ready else 503)
+    causes = {"engine": await _cause(services.readiness.check()), "database": await _cause(database())}
+    body: dict[str, Any] = {"status": "ready", "checks": {name: "ok" if cause is None else "failing"
+                                                          for name, cause in causes.items()}}
+    if any(causes.values()):
+        body["status"] = "not ready"
+        body["causes"] = {name: cause for name, cause in causes.items() if cause is not None}
+    return Response(body, status_code=503 if "causes" in body else 200)
 
 
-async def _answers(check: Awaitable[object]) -> bool:
+async def _cause(check: Awaitable[object]) -> str | None:
+    """None when `check` succeeds in time; else why not, in a line: the engine's cause as it is, and
+    for anything else the exception's type alone (a database error's text can name hosts and users)."""
     try:
         await asyncio.wait_for(check, READY_TIMEOUT_S)
-    except Exception:  # any failure or the timeout: not ready (the reason is the operator's to find in the log)
+    except NotReady as exc:
+        return str(exc)
+    except TimeoutError:
+        return f"no answer within {READY_TIMEOUT_S:g} s"
+    except Exception as exc:  # any failure: not ready; the whole story is the operator's, in the log
         log.warning("readiness check failed", exc_info=True)
-        return False
-    return True
+        return type(exc).__name__
+    return None
 
 
 async def metrics_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:

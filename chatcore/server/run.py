@@ -34,9 +34,17 @@ class LogHygiene(logging.Filter):
     - secrets in query strings (`?api_key=` is how browsers authenticate a WebSocket) are redacted from the
       access lines of HTTP requests and WebSocket upgrades;
     - a client's text frame that is not UTF-8 is the client's fault: uvicorn closes the socket (1007), and we
-      log one warning line instead of an ERROR with a traceback that any client could repeat at will."""
+      log one warning line instead of an ERROR with a traceback that any client could repeat at will;
+    - a start that failed its warm-up (`startup_failure`, the exception's qualified name) was logged in one
+      line by the services: uvicorn's copy of the traceback is dropped."""
+
+    def __init__(self, startup_failure: str) -> None:
+        super().__init__()
+        self.startup_failure = startup_failure
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "uvicorn.error" and isinstance(record.msg, str) and self.startup_failure in record.msg:
+            return False
         if isinstance(record.args, tuple) and any(isinstance(a, str) and "api_key=" in a for a in record.args):
             record.args = tuple(SECRET_QUERY.sub(r"\1[redacted]", a) if isinstance(a, str) else a
                                 for a in record.args)
@@ -86,6 +94,7 @@ def serve_command(settings: Settings) -> int:
     if exposure:
         log.warning("%s: without API keys (open mode) anyone who can reach this server can use it", exposure)
     # Imported here: a refusal above answers before the seconds that transformers takes to import.
+    from chatcore.engine.warmup import NotReady
     from chatcore.models.loader import load_model
     from chatcore.server.app import create_app
 
@@ -95,9 +104,9 @@ def serve_command(settings: Settings) -> int:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             log_config=None,  # uvicorn's records go to the root logger's format
                             ws_max_size=settings.max_frame_bytes * 4, timeout_graceful_shutdown=10)
-    hygiene = LogHygiene()  # after uvicorn's logging configuration (Config sets it up)
+    hygiene = LogHygiene(f"{NotReady.__module__}.{NotReady.__qualname__}")  # after uvicorn's logging set-up
     for name in ("uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).addFilter(hygiene)
     server = uvicorn.Server(config)
     server.run()
-    return 0 if server.started else 3  # as uvicorn.run exits when start-up fails
+    return 0 if server.started else 3  # as uvicorn.run exits when start-up fails (the warm-up's failure too)

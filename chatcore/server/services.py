@@ -1,7 +1,8 @@
 """Everything a running server holds, started and stopped in order.
 
-Start: migrate the database, load the model, start the engine thread, mark the turns a crash
-left open as interrupted, then start the session manager and its eviction policy.
+Start: migrate the database, load the model, start the engine thread and warm it up (one real
+generation: a failure stops the start, chatcore/engine/warmup.py), mark the turns a crash left open
+as interrupted, then start the session manager and its eviction policy.
 Stop: the reverse, waiting for background disk writes.
 """
 
@@ -16,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from chatcore.config import Settings
 from chatcore.engine.engine import InferenceEngine
+from chatcore.engine.warmup import NotReady, Readiness, warm_up
 from chatcore.kv.sizing import describe, disk_budget_bytes, holds
 from chatcore.kv.tensors import KVTensors
 from chatcore.metrics import Metrics
@@ -47,6 +49,7 @@ class Services:
     local_tenant_id: str
     model_name: str
     tiers: dict[str, Any]  # what each KV tier holds (`kv_tiers`)
+    readiness: Readiness
     # The WebSocket connection attached to each session (a `chatcore.server.ws.Connection`): one at a
     # time. Typed Any: dependency injection evaluates these annotations at run time, and ws imports this module.
     ws_attached: dict[str, Any] = field(default_factory=dict)
@@ -63,6 +66,13 @@ class Services:
         loaded = loaded or await asyncio.to_thread(load_model, settings)
         pins = PinRegistry(settings.hot_window_s)
         engine = await asyncio.to_thread(InferenceEngine.from_settings, settings, loaded, pins.reclaim)
+        try:
+            await warm_up(engine)
+        except NotReady as exc:
+            log.critical("not ready: the warm-up generation failed: %s", exc)
+            engine.shutdown()
+            await db.dispose()
+            raise
         metrics = Metrics()
         disk = None
         disk_bytes = disk_budget_bytes(settings.kv_disk_gb, settings.resolved_kv_disk_dir)
@@ -83,7 +93,7 @@ class Services:
         manager.leases.start()
         turns = TurnRunner(manager, engine, pins, disk, settings, metrics)
         return cls(settings, db, sessionmaker, engine, metrics, manager, turns, policy, disk, local.id,
-                   loaded.path.name, tiers)
+                   loaded.path.name, tiers, Readiness(engine))
 
     def limits(self) -> dict[str, int]:
         """What a client may ask for: the largest `max_tokens`, the longest message and the context, in tokens."""

@@ -1,0 +1,35 @@
+"""`python -m tests.failing_runner FLAG chatcore-args...`: the real `chatcore` command, with a fault to inject.
+
+While the file FLAG exists, every model forward raises the error a broken device gives (as an
+illegal memory access does on CUDA); without it the runner computes as usual. The tests create
+and remove FLAG to break the engine at start (the warm-up) or later (a step), from outside.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from chatcore.engine.runner import ModelRunner
+from chatcore.engine.scheduler import StepPlan
+
+INJECTED = "CUDA error: an illegal memory access was encountered (injected)"
+
+
+def main() -> int:
+    flag = Path(sys.argv[1])
+    execute = ModelRunner.execute
+
+    def failing(self: ModelRunner, plan: StepPlan):  # type: ignore[no-untyped-def]
+        if flag.exists():
+            raise RuntimeError(INJECTED)
+        return execute(self, plan)
+
+    ModelRunner.execute = failing  # type: ignore[method-assign]
+    from chatcore.cli import main as chatcore
+
+    return chatcore(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
