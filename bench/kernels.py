@@ -1,6 +1,6 @@
 """Paged decode attention: the Triton kernel against the torch reference and dense SDPA.
 
-    python -m bench.kernels [--quick]
+    python -m chatcore.bench.kernels [--quick]
 
 On CUDA it times the kernel (with its split heuristic and a sweep of fixed splits), the
 reference and SDPA over already-gathered, contiguous K/V (what attention costs without
@@ -236,7 +236,7 @@ def decode_row(cfg: Config, device: torch.device, copy_bw: float, reps: int, spl
 
 
 def run(quick: bool = False) -> dict:
-    """Run the benchmark; returns the measurements (also what `python -m bench.kernels` prints)."""
+    """Run the benchmark; returns the measurements (also what `python -m chatcore.bench.kernels` prints)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     reps = 3 if quick else 10
     threads = torch.get_num_threads()

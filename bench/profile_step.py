@@ -1,4 +1,4 @@
-"""`python -m bench.profile_step`: where an engine step's time goes (issue 14, item 1).
+"""`python -m chatcore.bench.profile_step`: where an engine step's time goes (issue 14, item 1).
 
 For each count of running sequences (default 16 and 64; the 16-chat workload's prompts, each in
 its own cache scope, so no sharing), all requests are added at once and run to the end. Each

@@ -1,6 +1,6 @@
 """Run suites on a shared machine until each one ran undisturbed.
 
-    python -m bench.quiet [--suites a,b,...] [--out DIR] [--max-foreign 0.3] [--tries 4] [--wait 900] [-- extra args]
+    python -m chatcore.bench.quiet [--suites a,b,...] [--out DIR] [--max-foreign 0.3] [--tries 4] [--wait 900] [-- extra args]
 
 Before each try it waits (up to --wait seconds) for a 20-second window in which other
 processes use less than --max-foreign cores, then runs `chatcore bench --suite NAME`, which

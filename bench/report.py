@@ -1,6 +1,6 @@
 """The Markdown table of a results.json, and README's Performance section made from it.
 
-    python -m bench.report [--results bench/results/results.json] [--readme README.md] [--docs docs/bench]
+    python -m chatcore.bench.report [--results bench/results/results.json] [--readme README.md] [--docs docs/bench]
 
 With --readme, the table replaces what lies between the `<!-- bench:begin -->` and
 `<!-- bench:end -->` markers of README's Performance section, and the plots are copied to
