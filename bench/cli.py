@@ -28,7 +28,6 @@ from tqdm import tqdm
 from chatcore.config import Settings
 
 SUITES = ["throughput", "multiturn", "hitrate", "memory", "sharing", "resume", "server", "sessions"]
-MODULES = {suite: f"chatcore.bench.{suite}" for suite in ("multiturn", "hitrate", "sessions")}
 OPTIONS = ("sessions", "turns", "kv_cache_gb", "kv_disk_gb")  # suite parameters (the sessions suite's)
 
 
@@ -94,7 +93,7 @@ def bench_command(args: argparse.Namespace, settings: Settings) -> int:
     for name in progress(names, "suites", "suite"):
         _log(f"[{name}] running{' (quick)' if ctx.quick else ''}{' (tiny)' if tiny else ''}")
         monitor = CpuMonitor()
-        module = importlib.import_module(MODULES.get(name, f"bench.{name}"))
+        module = importlib.import_module(f"chatcore.bench.{name}")
         try:
             result = module.run(ctx)
         except Exception as exc:

@@ -70,8 +70,10 @@ class Settings(BaseSettings):
     debug_audit: bool = Field(False, description="audit the cache after every engine step")
 
     # Scheduler.
-    max_batch_tokens: int = Field(512, ge=16, description="tokens per engine step")
-    max_num_seqs: int = Field(64, ge=1, description="running sequences per engine step at most")
+    max_batch_tokens: Annotated[int, Field(ge=16)] | Literal["auto"] = Field(
+        "auto", description="tokens per engine step; auto: 512 on the CPU, 8192 on CUDA")
+    max_num_seqs: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="running sequences per engine step at most; auto: 64 on the CPU, 256 on CUDA")
     max_queue_wait_s: float = Field(30.0, gt=0, description="a request waiting longer fails with busy")
     max_waiting_requests: int = Field(1024, ge=1, description="requests queued for the engine at most; past it: busy")
 

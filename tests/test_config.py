@@ -111,3 +111,14 @@ def test_flags_parse_by_the_setting_type(capsys: pytest.CaptureFixture[str]) -> 
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", *bad])
     capsys.readouterr()
+
+
+def test_batch_limits_auto_picks_the_devices_and_a_setting_wins(monkeypatch) -> None:
+    import torch
+
+    from chatcore.engine.batch_limits import CPU_LIMITS, CUDA_LIMITS, BatchLimits, batch_limits
+
+    assert batch_limits(Settings(), torch.device("cpu")) == CPU_LIMITS == BatchLimits(512, 64)
+    assert batch_limits(Settings(), torch.device("cuda")) == CUDA_LIMITS == BatchLimits(8192, 256)
+    monkeypatch.setenv("CHATCORE_MAX_NUM_SEQS", "8")
+    assert batch_limits(Settings(max_batch_tokens=1024), torch.device("cuda")) == BatchLimits(1024, 8)

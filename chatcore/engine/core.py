@@ -17,6 +17,7 @@ import torch
 
 from chatcore.cache import BlockPool, CacheError, audit, cache_salt
 from chatcore.config import Settings
+from chatcore.engine.batch_limits import batch_limits
 from chatcore.engine.beam import BeamSearch
 from chatcore.engine.choices import StepChoices
 from chatcore.engine.detok import IncrementalDetokenizer
@@ -77,8 +78,9 @@ class EngineCore:
                               depth_cost=depth_cost(loaded, settings.block_size))
         self.kv = KVTensors(loaded.num_layers, num_blocks, settings.block_size, loaded.num_kv_heads,
                             loaded.head_dim, kv_storage_dtype(settings, loaded), loaded.device)
-        self.scheduler = Scheduler(self.pool, max_batch_tokens=settings.max_batch_tokens,
-                                   max_num_seqs=settings.max_num_seqs, max_queue_wait_s=settings.max_queue_wait_s,
+        limits = batch_limits(settings, loaded.device)
+        self.scheduler = Scheduler(self.pool, max_batch_tokens=limits.max_batch_tokens,
+                                   max_num_seqs=limits.max_num_seqs, max_queue_wait_s=settings.max_queue_wait_s,
                                    max_context=min(loaded.max_context, settings.max_context or loaded.max_context),
                                    max_waiting=settings.max_waiting_requests)
         self.runner = ModelRunner(loaded, self.kv)
