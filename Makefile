@@ -17,7 +17,7 @@ LOCK := requirements.lock
 # make serve TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 TORCH ?= $(shell grep -m1 '^torch==' $(LOCK))
 
-.PHONY: setup serve test stress chromium services model bench gpu-check lock clean
+.PHONY: setup serve test stress chromium services model bench gpu-check gpu-prepare lock clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -78,9 +78,16 @@ stress: setup
 bench: setup
 	$(VENV)/bin/chatcore bench --suite all
 
-# The checks that need a CUDA GPU (bench/gpu_check.py); one line and exit 0 where there is none.
-gpu-check: $(STAMP)
-	$(PY) -m chatcore.bench.gpu_check --out bench/results/gpu-check.json
+# The checks that need a CUDA GPU (bench/gpu_check.py, docs/kernels.md); one line and exit 0 where there is
+# none. No setup: it runs with .venv's python where there is one, else python3 (a lent GPU machine's image),
+# with the wheels gpu-prepare staged for what that lacks.
+gpu-check:
+	bash bench/gpu_check.sh --out bench/results/gpu-check.json
+
+# Stage into .gpu/ (git-ignored) what a lent GPU machine needs for gpu-check: wheels, the model's config
+# and tokenizer, the commit.
+gpu-prepare: $(STAMP)
+	$(PY) -m chatcore.bench.gpu_prepare --out .gpu
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

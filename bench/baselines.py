@@ -95,8 +95,10 @@ def hf_sequential(model: Any, prompts: list[list[int]], max_new_tokens: int) -> 
 
 
 @torch.inference_mode()
-def hf_static(model: Any, prompts: list[list[int]], max_new_tokens: int, pad_token_id: int) -> BatchRun:
-    """All requests in one left-padded batch: nobody gets a token before the whole batch's prefill."""
+def hf_static(model: Any, prompts: list[list[int]], max_new_tokens: int, pad_token_id: int,
+              config: GenerationConfig | None = None) -> BatchRun:
+    """All requests in one left-padded batch: nobody gets a token before the whole batch's prefill.
+    `config` replaces the greedy one (a static cache, say); it must decode `max_new_tokens` greedily."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -106,7 +108,8 @@ def hf_static(model: Any, prompts: list[list[int]], max_new_tokens: int, pad_tok
     clock = FirstTokenClock()
     t0 = time.perf_counter()
     ids, mask = ids.to(model.device), mask.to(model.device)
-    out = model.generate(ids, attention_mask=mask, generation_config=greedy_config(model, max_new_tokens, pad_token_id),
+    config = config or greedy_config(model, max_new_tokens, pad_token_id)
+    out = model.generate(ids, attention_mask=mask, generation_config=config,
                          stopping_criteria=StoppingCriteriaList([clock]))
     wall = time.perf_counter() - t0
     assert clock.first is not None

@@ -1,0 +1,72 @@
+"""Where a decode step's time goes on the GPU: `torch.profiler` over full decode steps.
+
+Two figures, both per decode step with every chat decoding (no prompt in the step):
+- `gpu_busy_share`: the device's kernel time (the sum of the CUDA kernels' own time) over the step's wall
+  time, timed without the profiler; a step bound by the host (Python, launches) has a small share;
+- `launches_per_decode_step`: the CUDA kernels the step launches (events of device type CUDA).
+On the CPU there are no device kernels: both are None and `note` says so (the rehearsal runs the code).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from chatcore.engine.core import EngineCore
+
+
+def _is_device_event(event: Any) -> bool:
+    return str(getattr(event, "device_type", "")).endswith("CUDA")
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def in_full_decode(core: EngineCore) -> bool:
+    """Every request runs and has its whole prompt computed: the next step only decodes."""
+    running = core.scheduler.running
+    return bool(running) and not core.scheduler.waiting and all(
+        s.num_computed >= len(s.tokens) - 1 for r in running for s in r.live_seqs)
+
+
+def decode_profile(core: EngineCore, device: torch.device, warm_steps: int, steps: int) -> dict[str, Any]:
+    """Profile `core`, whose requests were all added: step through the prefill, then `warm_steps` decode steps,
+    then `steps` timed without the profiler and `steps` under it. Every request must outlast all of them."""
+    sync = _sync(device)
+    prefill_steps = 0
+    while core.has_work and not in_full_decode(core):
+        core.step()
+        prefill_steps += 1
+    for _ in range(warm_steps):
+        core.step()
+    chats = len(core.scheduler.running)
+    sync()
+    started = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    sync()
+    step_ms = (time.perf_counter() - started) * 1e3 / steps
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            core.step()
+        sync()
+    if len(core.scheduler.running) != chats or not in_full_decode(core):
+        raise RuntimeError("a request finished while steps were measured: give the requests more tokens")
+    kernels = [e for e in prof.key_averages() if _is_device_event(e)]
+    result: dict[str, Any] = {"chats": chats, "prefill_steps": prefill_steps, "step_ms": step_ms, "steps": steps}
+    if device.type != "cuda":
+        return result | {"gpu_busy_share": None, "launches_per_decode_step": None,
+                         "note": "no CUDA kernels on the CPU: the step time only"}
+    busy_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:10]
+    return result | {
+        "gpu_busy_ms": busy_ms, "gpu_busy_share": busy_ms / step_ms,
+        "launches_per_decode_step": sum(e.count for e in kernels) / steps,
+        "top_kernels": [{"name": e.key[:80], "per_step": e.count / steps,
+                         "us_per_step": e.self_device_time_total / steps} for e in top]}
