@@ -59,19 +59,19 @@ def _log(message: str) -> None:
 
 
 def commit() -> str | None:
-    """The checkout's commit (`-dirty` with uncommitted changes), else the one `make gpu-prepare` recorded
-    (a lent machine gets the working tree without .git)."""
+    """The commit `make gpu-prepare` recorded when it is staged (a lent machine's copy of the working tree
+    may carry a .git of another commit), else the checkout's (`-dirty` with uncommitted changes)."""
+    staged = STAGED / "commit"
+    if staged.is_file():
+        return f"{staged.read_text().strip()} (staged)"
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                capture_output=True, text=True, timeout=10)
-        if head.returncode == 0:
-            return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.TimeoutExpired):
-        pass
-    staged = STAGED / "commit"
-    return f"{staged.read_text().strip()} (staged)" if staged.is_file() else None
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else None
 
 
 def _default_model_dir() -> Path:
