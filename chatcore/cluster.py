@@ -19,6 +19,7 @@ The same helpers start the throw-away PostgreSQL and nginx of the tests.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import json
 import os
@@ -28,6 +29,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -57,12 +59,37 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def write_private(path: Path, text: str) -> None:
-    """Write `path` readable by its owner only (0600), whatever the umask and its old mode."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
+def write_private(path: Path, text: str, owner: tuple[int, int] | None = None) -> None:
+    """Replace `path` with a new file holding `text`, readable by its owner only (0600), given to
+    `owner` (uid, gid) when one is named.
+
+    The file is created under a fresh name in `path`'s folder (mkstemp: O_CREAT|O_EXCL|O_NOFOLLOW,
+    mode 0600, whatever the umask), given away with `fchown` on its descriptor, and renamed over
+    `path`: a symbolic or hard link planted at `path` is replaced, never followed or written through."""
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as out:
+            if owner is not None:
+                os.fchown(out.fileno(), *owner)
+            out.write(text)
+        os.replace(partial, path)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
+
+
+def read_no_link(path: Path) -> str:
+    """`path`'s text, refusing a symbolic link in its place (O_NOFOLLOW): run as root, chatcore must
+    not read a file someone else pointed it at. FileNotFoundError when there is none."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ClusterError(f"{path} is a symbolic link, which chatcore does not follow: someone else may have "
+                               f"made it; remove it and run again") from None
+        raise
+    with os.fdopen(fd) as src:
+        return src.read()
 
 
 def free_port() -> int:
@@ -152,10 +179,52 @@ def _as_pg_os_user(cmd: list[str]) -> list[str]:
     return ["runuser", "-u", PG_OS_USER, "--", *cmd] if os.geteuid() == 0 else cmd
 
 
+def _pg_os_owner() -> tuple[int, int] | None:
+    """(uid, gid) of PostgreSQL's OS user when we are root (what we give its files to), else None."""
+    if os.geteuid() != 0:
+        return None
+    user = pwd.getpwnam(PG_OS_USER)
+    return user.pw_uid, user.pw_gid
+
+
 def _give_to_pg_os_user(path: Path) -> None:
-    if os.geteuid() == 0:
-        user = pwd.getpwnam(PG_OS_USER)
-        os.chown(path, user.pw_uid, user.pw_gid)
+    """chown `path` to PostgreSQL's OS user when we are root, through a descriptor opened without
+    following a link (`fchown`), so a link planted at `path` gives nothing away."""
+    owner = _pg_os_owner()
+    if owner is not None:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            os.fchown(fd, *owner)
+        finally:
+            os.close(fd)
+
+
+def make_private_folder(root: Path) -> None:
+    """Create `root` (mode 0700), or accept an existing one only where it is safe to write into.
+
+    Run as root, `root` is in /var/tmp (`postgres_home`), where anyone can make it first, with a
+    link inside pointing at a file of root's: `password` written through it would hand that file
+    to PostgreSQL's user. So an existing `root` must be a real folder (lstat: not a link), owned by
+    us or by PostgreSQL's OS user, and writable by no one else (no group or other write bit);
+    otherwise a `ClusterError` says why, before anything is written or given away."""
+    root.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(root, 0o700)
+        return
+    except FileExistsError:
+        pass
+    info = os.lstat(root)
+    owners = {os.geteuid()} | {owner[0] for owner in [_pg_os_owner()] if owner is not None}
+    if not stat.S_ISDIR(info.st_mode):
+        problem = "is not a folder (a symbolic link or a file)"
+    elif info.st_uid not in owners:
+        problem = f"is owned by uid {info.st_uid}, not by {' or '.join(str(uid) for uid in sorted(owners))}"
+    elif info.st_mode & 0o022:
+        problem = f"is writable by others than its owner (mode {stat.S_IMODE(info.st_mode):o})"
+    else:
+        return
+    raise ClusterError(f"{root} {problem}: someone else may have made it, and chatcore will not use it; "
+                       f"remove it and run again")
 
 
 def _run(what: str, cmd: list[str], stdin: str | None = None,
@@ -170,7 +239,8 @@ def _run(what: str, cmd: list[str], stdin: str | None = None,
 
 def postgres_home(data_dir: Path) -> Path:
     """Where `cluster up --postgres` keeps its PostgreSQL cluster. As root, PostgreSQL runs as
-    the `postgres` user, which cannot enter root's home: the cluster then lives in /var/tmp."""
+    the `postgres` user, which cannot enter root's home: the cluster then lives in /var/tmp, at a
+    name anyone can predict, which `make_private_folder` checks before using it."""
     if os.geteuid() != 0:
         return data_dir / "cluster" / "postgres"
     digest = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:12]
@@ -204,7 +274,7 @@ class Postgres:
     @property
     def password(self) -> str:
         try:
-            return self.password_file.read_text().strip()
+            return read_no_link(self.password_file).strip()
         except FileNotFoundError:
             raise ClusterError(f"the PostgreSQL cluster in {self.root} has lost its password file "
                                f"{self.password_file}") from None
@@ -221,7 +291,7 @@ class Postgres:
         if bin_dir is None:
             raise ClusterError("PostgreSQL is not installed: apt-get install postgresql (or `make services`)")
         pg = cls(root, port or free_port(), bin_dir)
-        root.mkdir(parents=True, exist_ok=True)
+        make_private_folder(root)
         _give_to_pg_os_user(root)
         if not (pg.data / "PG_VERSION").exists():
             pg.initdb(throwaway=throwaway)
@@ -243,13 +313,15 @@ class Postgres:
 
     def _write_password_file(self) -> None:
         """A new password, or the one an interrupted initdb or `require_password` already chose."""
-        old = self.password_file.read_text().strip() if self.password_file.exists() else ""
-        write_private(self.password_file, (old or secrets.token_urlsafe(32)) + "\n")
-        _give_to_pg_os_user(self.password_file)
+        try:
+            old = read_no_link(self.password_file).strip()
+        except FileNotFoundError:
+            old = ""
+        write_private(self.password_file, (old or secrets.token_urlsafe(32)) + "\n", _pg_os_owner())
 
     def trusts(self) -> bool:
         """Whether pg_hba.conf lets connections in without a password."""
-        return TRUST_RULE.search((self.data / "pg_hba.conf").read_text()) is not None
+        return TRUST_RULE.search(read_no_link(self.data / "pg_hba.conf")) is not None
 
     def require_password(self) -> None:
         """Move a running cluster initdb'ed with `-A trust` to scram-sha-256: set the role's
@@ -260,7 +332,7 @@ class Postgres:
         # Before PostgreSQL 14 the default hash is md5, which a scram-sha-256 rule refuses.
         self._psql("postgres", f"SET password_encryption = 'scram-sha-256'; ALTER ROLE {PG_USER} PASSWORD '{quoted}'")
         hba = self.data / "pg_hba.conf"
-        hba.write_text(TRUST_RULE.sub(r"\1scram-sha-256\2", hba.read_text()))
+        write_private(hba, TRUST_RULE.sub(r"\1scram-sha-256\2", read_no_link(hba)), _pg_os_owner())
         self._psql("postgres", "SELECT pg_reload_conf()")
 
     def start(self, *, throwaway: bool = False) -> None:

@@ -5,7 +5,13 @@ It takes float32, bfloat16 and float16 queries and caches (float16 where the com
 
 The library is compiled once per source, compiler and CPU (`-march=native`, so the key holds the
 CPU's flags) into `$XDG_CACHE_HOME/chatcore/kernels` (default `~/.cache`), written to a
-temporary name and renamed, so concurrent processes never load a half-written file. It links
+temporary name and renamed, so concurrent processes never load a half-written file.
+
+Loading a library runs its code (constructors included), and its name is predictable: a file is
+loaded only when the cache folder and the file are ours alone (owned by this user, writable by
+neither group nor others; the folder not a link, the file checked on the descriptor that is
+loaded). A file that fails is rebuilt in its place; a folder that fails is not written: the
+library is built in a new private temporary folder, loaded, and that folder removed. It links
 the OpenMP runtime torch already loaded (same soname), so it shares torch's threads instead of
 starting a second pool on the same cores. ctypes releases the GIL for the call.
 
@@ -21,6 +27,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -57,13 +64,36 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build(compiler: str) -> Path:
+def library_name(compiler: str) -> str:
+    """The cached library's file name: a hash of the source, flags, compiler version and CPU."""
     version = subprocess.run([compiler, "--version"], check=False, capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *LIBS, version, _cpu_flags()]).encode()).hexdigest()
-    target = _cache_dir() / f"cpu_decode-{key[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    return f"cpu_decode-{key[:16]}.so"
+
+
+def _not_ours_alone(info: os.stat_result) -> str | None:
+    """Why a file or folder with this status may hold someone else's code; None when it is ours alone."""
+    if info.st_uid != os.geteuid():
+        return f"is owned by uid {info.st_uid}, not {os.geteuid()}"
+    if info.st_mode & 0o022:
+        return f"is writable by its group or others (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def _cache_folder() -> Path | None:
+    """The cache folder, created 0700 if missing; None (with a warning) when it may not be ours alone."""
+    folder = _cache_dir()
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = os.lstat(folder)
+    problem = _not_ours_alone(info) if stat.S_ISDIR(info.st_mode) else "is not a folder (a link?)"
+    if problem is None:
+        return folder
+    log.warning("the kernel cache %s %s: the C decode attention is built in a private temporary folder instead",
+                folder, problem)
+    return None
+
+
+def _compile(compiler: str, target: Path) -> None:
     handle, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(handle)
     try:
@@ -71,11 +101,55 @@ def _build(compiler: str) -> Path:
                                 check=False, capture_output=True, text=True, timeout=300)
         if result.returncode:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.chmod(partial, 0o755)  # whatever the umask: a group-writable library would not be loaded
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
-    return target
+
+
+def _load_if_ours(path: Path) -> ctypes.CDLL | None:
+    """`path` loaded when it is a regular file of ours alone (not a link), else None. The checks are
+    made on the descriptor that is then loaded, so the file loaded is the file checked."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as error:  # ELOOP: a link at the library's name
+        log.warning("not loading %s (%s): rebuilding it", path, error.strerror)
+        return None
+    try:
+        info = os.fstat(fd)
+        problem = _not_ours_alone(info) if stat.S_ISREG(info.st_mode) else "is not a regular file"
+        if problem is not None:
+            log.warning("not loading %s, which %s: rebuilding it", path, problem)
+            return None
+        return ctypes.CDLL(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
+
+
+def _built(compiler: str, target: Path) -> ctypes.CDLL:
+    _compile(compiler, target)
+    library = _load_if_ours(target)
+    if library is None:
+        raise RuntimeError(f"{target} is not ours alone right after it was built")
+    return library
+
+
+def _build_and_load(compiler: str) -> ctypes.CDLL:
+    """The cached library when it is ours alone; else one built now, in the cache, or in a private
+    temporary folder (removed once the library is loaded) when the cache folder is not ours alone."""
+    folder = _cache_folder()
+    if folder is None:
+        private = Path(tempfile.mkdtemp(prefix="chatcore-kernels-"))
+        try:
+            return _built(compiler, private / library_name(compiler))
+        finally:
+            shutil.rmtree(private, ignore_errors=True)
+    target = folder / library_name(compiler)
+    cached = _load_if_ours(target)
+    return cached if cached is not None else _built(compiler, target)
 
 
 @functools.cache
@@ -86,7 +160,7 @@ def _library() -> tuple[Callable[..., int], frozenset[torch.dtype]] | None:
         log.warning("no C compiler found: CPU decode attention uses the torch reference (slower)")
         return None
     try:
-        library = ctypes.CDLL(str(_build(compiler)))
+        library = _build_and_load(compiler)
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         log.warning("building kernels/cpu_decode.c failed, CPU decode attention uses the torch reference: %s", error)
         return None

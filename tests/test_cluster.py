@@ -399,6 +399,86 @@ def test_a_trust_cluster_of_an_older_chatcore_is_moved_to_a_password(pg_root: Pa
         pg.stop()
 
 
+# ----- run as root: a folder in /var/tmp that someone else made first ------------------------------
+VICTIM_TEXT = "root's own file, not a password"
+
+
+@pytest.fixture
+def victim(tmp_path: Path) -> Iterator[Path]:
+    """A file of the user running the tests (root, in the suite), which an attacker points a link at."""
+    path = tmp_path / "victim"
+    path.write_text(VICTIM_TEXT)
+    path.chmod(0o644)
+    yield path
+
+
+def _assert_untouched(path: Path) -> None:
+    info = path.lstat()
+    assert (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) == (os.geteuid(), os.getegid(), 0o644)
+    assert path.read_text() == VICTIM_TEXT
+
+
+def _plant(home: Path, victim: Path, how: str) -> None:
+    """What a local user could leave at `home` before root runs `cluster up --postgres`: their own
+    world-writable folder, or a link to one, with `password` a link to the victim."""
+    folder = home if how == "folder" else home.with_name(home.name + "-attacker")
+    folder.mkdir()
+    (folder / "password").symlink_to(victim)
+    os.chown(folder, 65534, 65534)  # nobody
+    folder.chmod(0o777)
+    if how == "link":
+        home.symlink_to(folder)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the attack needs the command to run as root")
+@pytest.mark.parametrize("how", ["folder", "link"])
+def test_cluster_up_as_root_refuses_a_postgres_folder_someone_else_made(tmp_path: Path, victim: Path,
+                                                                          how: str) -> None:
+    """`chatcore cluster up --postgres` as root keeps PostgreSQL in /var/tmp/chatcore-pg-<hash>, a
+    name anyone can predict. A local user who made it first (or a link there), with `password`
+    a link to one of root's files, got that file chowned to postgres, made 0600 and rewritten.
+    Now the command refuses the folder, says why, and touches nothing."""
+    data = tmp_path / "data"
+    home = chatcore.cluster.postgres_home(data)
+    _plant(home, victim, how)
+    env = {**os.environ, "CHATCORE_DATA_DIR": str(data)}
+    try:
+        result = subprocess.run([sys.executable, "-m", "chatcore.cli", "cluster", "up", "--postgres", "--replicas",
+                                 "1", "--port", str(free_port())], env=env, capture_output=True, text=True,
+                                timeout=300, check=False)
+        _assert_untouched(victim)
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result
+        assert result.stderr.startswith(f"chatcore cluster up: {home} "), result.stderr
+        assert "someone else may have made it" in result.stderr, result.stderr
+        folder = home if how == "folder" else home.with_name(home.name + "-attacker")
+        assert folder.lstat().st_uid == 65534 and not (folder / "data").exists()  # not given away, no initdb
+        assert not state_path(data).exists()
+    finally:
+        shutil.rmtree(home.with_name(home.name + "-attacker"), ignore_errors=True)
+        home.unlink() if home.is_symlink() else shutil.rmtree(home, ignore_errors=True)
+
+
+def test_a_link_planted_in_the_postgres_folder_is_not_followed(pg_root: Path, victim: Path) -> None:
+    """The same link inside a folder that is ours: `Postgres.create` refuses to read the password
+    through it, and neither writes nor gives the victim away."""
+    (pg_root / "password").symlink_to(victim)
+    with pytest.raises(ClusterError, match="password is a symbolic link, which chatcore does not follow"):
+        Postgres.create(pg_root, throwaway=True)
+    _assert_untouched(victim)
+    assert not (pg_root / "data").exists()
+
+
+def test_the_password_file_replaces_whatever_was_at_its_name(pg_root: Path, victim: Path) -> None:
+    """`write_private` never writes through what is at the path: a hard link to another file is
+    replaced by a new 0600 file, and the other file keeps its text and mode."""
+    target = pg_root / "password"
+    os.link(victim, target)
+    chatcore.cluster.write_private(target, "new\n")
+    _assert_untouched(victim)
+    assert target.read_text() == "new\n" and stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert [p.name for p in pg_root.iterdir()] == ["password"]  # no partial file left
+
+
 @pytest.mark.model
 def test_the_database_and_local_tenant_are_ready_before_any_replica_starts(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest,

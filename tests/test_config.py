@@ -4,12 +4,14 @@ every setting, and `chatcore config show` with each value's source and no secret
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
 
 from chatcore.cli import build_parser, main
 from chatcore.config import CONFIG_ENV, Settings, load_config
+from tests.test_store_commands import HOSTILE_URLS, LEAKED
 
 
 @pytest.fixture(autouse=True)
@@ -83,6 +85,17 @@ def test_show_redacts_database_passwords_and_key_like_values(tmp_path: Path,
     assert "s3cret" not in out and '"postgresql+asyncpg://chat:***@db.example/chatcore"  # file' in out
     assert redact("admin_api_key", "cc_live_abc") == "[redacted]"
     assert redact("max_message_tokens", 4096) == 4096
+
+
+@pytest.mark.parametrize("url", list(HOSTILE_URLS))
+def test_show_masks_every_secret_a_database_url_can_hold(url: str, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """`config show` prints the URL as `masked_url` does (what `migrate` and `cluster up` print):
+    no query secret, and no part of a password with an unescaped `@`, `/` or `?`."""
+    monkeypatch.setenv("CHATCORE_DATABASE_URL", url)
+    shown = _show(capsys, "config", "show")["database_url"]
+    assert not LEAKED.search(shown), shown
+    assert shown == f"{json.dumps(HOSTILE_URLS[url])}  # env CHATCORE_DATABASE_URL"
 
 
 def test_every_setting_is_a_flag_with_its_description() -> None:

@@ -4,6 +4,8 @@ dense oracle in every dtype mix it reads, its refusals, and its build fallback."
 from __future__ import annotations
 
 import os
+import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -131,3 +133,101 @@ def test_without_a_compiler_the_reference_serves(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "True"]
     assert "uses the torch reference" in result.stderr
+
+
+# ----- the cached library is loaded only when it is ours alone -----------------------------------
+COMPILER = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+PLANTED_C = """#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *marker = fopen(MARKER, "w");
+    if (marker) { fputs("the planted library ran", marker); fclose(marker); }
+}
+"""
+DECODE_IN_A_PROCESS = (
+    "import torch\n"
+    "from chatcore.kernels import native, reference\n"
+    "from tests.test_kernels_reference import make_case\n"
+    "case = make_case([9, 30], num_kv_heads=1, group=3, head_dim=16, block_size=8, dtype=torch.float32)\n"
+    "assert native.accepts(*case)\n"
+    "torch.testing.assert_close(native.paged_decode_attention(*case, 0.25),\n"
+    "                           reference.paged_decode_attention(*case, 0.25), atol=1e-5, rtol=1e-5)\n"
+    "print('same results')\n"
+)
+
+
+def _decode_in_a_process(cache_home: Path) -> subprocess.CompletedProcess[str]:
+    """A fresh process that builds or loads the C kernel from `cache_home` and checks it against the reference."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache_home)}
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run([sys.executable, "-c", DECODE_IN_A_PROCESS], check=False, cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout == "same results\n", result.stderr
+    return result
+
+
+def _plant(path: Path, marker: Path) -> None:
+    """A library whose constructor writes `marker` when it is loaded."""
+    source = path.with_name("planted.c")
+    source.write_text(PLANTED_C)
+    subprocess.run([COMPILER, "-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", str(path), str(source)],
+                   check=True, timeout=120)
+    source.unlink()
+
+
+PLANTINGS = ["world-writable folder", "group-writable folder", "folder is a link", "world-writable file",
+             "file is a link", "file of another user"]
+
+
+@pytest.mark.parametrize("how", PLANTINGS, ids=lambda how: how.replace(" ", "-"))
+def test_a_planted_library_is_never_loaded(tmp_path: Path, how: str) -> None:
+    """A library at the kernel's predictable name, in a cache folder others may write or in a file
+    that is not ours alone, is never loaded (its constructor would run): the kernel is built again,
+    in its place or, when the folder is not ours alone, in a private temporary folder, and gives the
+    same results."""
+    if how == "file of another user" and os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    marker = tmp_path / "planted-library-ran"
+    folder = tmp_path / "cache" / "chatcore" / "kernels"
+    elsewhere = tmp_path / "attacker"
+    elsewhere.mkdir()
+    folder.parent.mkdir(parents=True)
+    if how == "folder is a link":
+        folder.symlink_to(elsewhere)
+    else:
+        folder.mkdir(mode=0o700)
+    target = folder / native.library_name(COMPILER)
+    if how == "file is a link":
+        _plant(elsewhere / "planted.so", marker)
+        target.symlink_to(elsewhere / "planted.so")
+    else:
+        _plant(target, marker)
+    planted = target.read_bytes()
+    changes = {"world-writable folder": (folder, 0o777), "group-writable folder": (folder, 0o770),
+               "world-writable file": (target, 0o777)}
+    if how in changes:
+        changes[how][0].chmod(changes[how][1])
+    if how == "file of another user":
+        os.chown(target, 65534, 65534)
+
+    result = _decode_in_a_process(tmp_path / "cache")
+    assert not marker.exists(), f"the planted library was loaded ({how})"
+    assert "not loading" in result.stderr or "private temporary folder" in result.stderr, result.stderr
+    if how.endswith("folder") or how == "folder is a link":  # the folder is not written: the build went elsewhere
+        assert target.read_bytes() == planted and sorted(p.name for p in folder.iterdir()) == [target.name]
+    else:  # rebuilt in place: a file of ours alone
+        info = target.lstat()
+        assert stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022
+        assert target.read_bytes() != planted
+
+
+def test_the_build_is_cached_in_a_private_folder(tmp_path: Path) -> None:
+    """The first process builds the library into a 0700 folder; the next loads it without building."""
+    _decode_in_a_process(tmp_path)
+    folder = tmp_path / "chatcore" / "kernels"
+    built = folder / native.library_name(COMPILER)
+    first = built.stat()
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and stat.S_IMODE(first.st_mode) == 0o755
+    result = _decode_in_a_process(tmp_path)
+    again = built.stat()
+    assert (again.st_ino, again.st_mtime_ns) == (first.st_ino, first.st_mtime_ns) and result.stderr == ""
+    assert sorted(p.name for p in folder.iterdir()) == [built.name]

@@ -264,6 +264,10 @@ def test_fuzzed_websocket_frames(fuzz_server, capsys, examples: int) -> None:
     @example(frame=("text", '{"type": "user", "id": "s", "content": "hi \\ud800"}', True), attached=True)
     @example(frame=("text", '{"type": "hello", "last_seq": 99999999999999999999}', True), attached=False)
     @example(frame=("bytes", b'{"type": "\xff"}', True), attached=False)
+    # NUL, which PostgreSQL cannot store: a 500 there (tests/test_server_nul_text.py), refused on every database.
+    @example(frame=("text", '{"type": "hello", "title": "a\\u0000b"}', True), attached=False)
+    @example(frame=("text", '{"type": "user", "id": "s", "content": "hi \\u0000"}', True), attached=True)
+    @example(frame=("text", '{"type": "user", "id": "\\u0000", "content": "hi"}', True), attached=True)
     def fuzz(frame: tuple[str, Any, bool | None], attached: bool) -> None:
         how, payload, must_fail = frame
         if must_fail is None:  # free text: refused unless it happens to be a valid frame
@@ -315,8 +319,11 @@ http_bodies = st.one_of(
     surrogates.map(lambda s: ('{"messages": [{"role": "user", "content": "a' + s + '"}], "max_tokens": 1}').encode()),
     st.binary(min_size=1, max_size=60).filter(lambda b: not _utf8(b))
     .map(lambda b: b'{"title": "' + b + b'"}'),
+    st.tuples(st.sampled_from(["title", "system_prompt", "content"]), st.text(max_size=5))
+    .map(lambda f: dumps({"messages": [{"role": "user", "content": "hi"}], f[0]: f"{f[1]}\0"}
+                         if f[0] == "content" else {f[0]: f"{f[1]}\0"}).encode()),
 )
-path_ids = st.text(string.printable + "é✓\u2028", min_size=1, max_size=40) | st.just("{real}")
+path_ids = st.text(string.printable + "é✓\u2028\0", min_size=1, max_size=40) | st.just("{real}")
 content_types = st.sampled_from(["application/json", "text/plain", "application/x-www-form-urlencoded",
                                  "multipart/form-data", "", "application/json; charset=latin-1"])
 
@@ -337,6 +344,10 @@ def test_fuzzed_http_bodies_on_every_route(fuzz_server, capsys, examples: int) -
              content_type="application/json", session_header=None)
     @example(route=("POST", "/v1/sessions"), body=deep(30_000, "dict").encode(), sid="x",
              content_type="application/json", session_header=None)
+    # NUL, which PostgreSQL cannot store, in a body and in a path (tests/test_server_nul_text.py).
+    @example(route=("PATCH", "/v1/sessions/{sid}"), body=b'{"title": "a\\u0000"}', sid="{real}",
+             content_type="application/json", session_header=None)
+    @example(route=("GET", "/v1/sessions/{sid}"), body=b"", sid="a\0b", content_type="", session_header=None)
     def fuzz(route: tuple[str, str], body: bytes, sid: str, content_type: str, session_header: str | None) -> None:
         method, path = route
         sid = created["id"] if sid == "{real}" else urllib.parse.quote(sid, safe="")

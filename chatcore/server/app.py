@@ -26,7 +26,7 @@ from chatcore.server import (
     session_routes,
 )
 from chatcore.server.auth import Authenticator, RevocationWatch, host_allowed
-from chatcore.server.body_decoding import StrictRequest
+from chatcore.server.body_decoding import NUL, StrictRequest
 from chatcore.server.deps import DEPENDENCIES
 from chatcore.server.errors import (
     ApiError,
@@ -55,6 +55,15 @@ async def index() -> Response[bytes]:
 async def _require_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
     """A guard: the caller's key, as on every route docs/protocol.md does not list as open."""
     await connection.app.state.auth.principal(connection)
+
+
+def _nul_in_target(request: Request[Any, Any, Any]) -> Response[Any] | None:
+    """A path (a session id) or query holding a NUL, `%00`, is refused as a body holding one is
+    (chatcore/server/body_decoding.py): PostgreSQL cannot compare or store it."""
+    if NUL not in request.scope["path"] and b"%00" not in request.scope["query_string"]:
+        return None
+    return Response({"error": {"code": "bad_request", "message": "the path and query must not contain NUL (%00)"}},
+                    status_code=400, media_type=MediaType.JSON)
 
 
 # What a page on an allowed origin may send and read: the key, JSON bodies, the session headers, and
@@ -86,7 +95,7 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> Litesta
         if not await host_allowed(request, request.app.state.auth, settings.allowed_hosts):
             return Response({"error": {"code": "unauthorized", "message": "host not allowed in open mode"}},
                             status_code=403, media_type=MediaType.JSON)
-        return None
+        return _nul_in_target(request)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:

@@ -27,6 +27,7 @@ from chatcore.server.auth import (
     host_allowed,
     presented_key,
 )
+from chatcore.server.body_decoding import nul_error
 from chatcore.server.errors import ApiError, from_session_error
 from chatcore.server.frames import (
     Auth,
@@ -367,6 +368,10 @@ async def _on_message(conn: Connection, message: dict[str, Any], max_bytes: int)
     if "\\ud" in text.lower() and not _encodable(frame):
         # JSON may escape lone UTF-16 surrogates ("\ud800"): no UTF-8 text, so no title, prompt or reply.
         conn.error("bad_request", "frames must be valid Unicode: lone surrogate escapes are not allowed")
+        return
+    refused = nul_error(frame) if "\\u0000" in text else None  # PostgreSQL cannot store a NUL
+    if refused is not None:
+        conn.send(refused.frame())
         return
     try:
         await conn.handle(decode_frame(frame))

@@ -371,6 +371,7 @@ class TurnRunner:
                       final: RequestOutput | None, error: ErrorCode | None, assistant_id: int) -> None:
         """Classify how the turn ended, persist it, pin its table, and send its last frames."""
         reason, error, text, generated = self._classify(state, final, error)
+        text = storable(text)
         # The history this turn makes, assigned only once the database has it.
         history: tuple[list[int], list[dict[str, str]]] | None = None
         if reason in HISTORY_REASONS:
@@ -380,7 +381,8 @@ class TurnRunner:
                        system + state.messages + [{"role": "user", "content": content},
                                                   {"role": "assistant", "content": text}])
         stats = turn_stats(req, final)
-        alternatives = [o.text for o in final.outputs[1:]] if final is not None and len(final.outputs) > 1 else None
+        alternatives = [storable(o.text) for o in final.outputs[1:]] \
+            if final is not None and len(final.outputs) > 1 else None
         try:
             await self._persist(state, assistant_id, reason, text, generated, stats, alternatives, history,
                                 window.window_start)
@@ -495,6 +497,14 @@ class TurnRunner:
 def _overlap(prefetched: range, held_blocks: int) -> int:
     """How many of the prefetched blocks lie within the first `held_blocks` of the chain."""
     return max(0, min(prefetched.stop, held_blocks) - prefetched.start)
+
+
+def storable(text: str) -> str:
+    """`text` as the history keeps it: PostgreSQL cannot store NUL, and a model generates one when it
+    samples byte 0 (a token of byte-level vocabularies, which `logit_bias` can force). It is kept as
+    U+FFFD in the database and in memory alike; the token ids, which the cache and the prompt use,
+    stay exact. Client text holding a NUL is refused before it gets here (server/body_decoding.py)."""
+    return text.replace("\x00", "\ufffd")
 
 
 def turn_stats(req: Request, final: RequestOutput | None) -> TurnStats:

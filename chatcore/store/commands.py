@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -24,9 +26,28 @@ from chatcore.store.repos import ApiKeyRepo
 T = TypeVar("T")
 
 
+MASK = "***"
+SECRET_QUERY = re.compile(r"pass|secret|token|key|credential", re.IGNORECASE)  # password=, sslpassword=, sslkey=...
+
+
 def masked_url(url: str) -> str:
-    """`url` with any password replaced by `***`, safe to print."""
-    return make_url(url).render_as_string(hide_password=True)
+    """`url` safe to print, wherever chatcore prints one (`config show`, `migrate`, `cluster up`):
+    the password and the value of every query parameter named like a secret become `***`.
+
+    A password with an unescaped `@` splits the URL where no parser can tell: with more than one
+    `@` before the query, everything up to the last is masked; an `@` still left in the user or the
+    host (a password that also holds a `?`) masks the whole rest. Raises SQLAlchemy's
+    `ArgumentError` for text that is no URL."""
+    scheme, sep, rest = url.partition("://")
+    authority_and_path, question, query = rest.partition("?")
+    if sep and authority_and_path.count("@") > 1:
+        url = f"{scheme}://{MASK}@{authority_and_path.rpartition('@')[2]}{question}{query}"
+    parsed = make_url(url)
+    if "@" in (parsed.username or "") + (parsed.host or ""):
+        return f"{parsed.drivername}://{MASK}"
+    shown = {name: MASK if SECRET_QUERY.search(name) else value for name, value in parsed.query.items()}
+    rendered = parsed.set(query=shown).render_as_string(hide_password=True)
+    return rendered.replace(urllib.parse.quote(MASK, safe=""), MASK)  # as `***`, not `%2A%2A%2A`
 
 
 async def _revision(url: str) -> str | None:
