@@ -95,7 +95,8 @@ def paged_server(tmp_path):
         server.stop()
 
 
-async def test_a_long_history_loads_page_by_page_and_branches_at_the_right_exchange(browser, paged_server):  # noqa: F811
+async def test_a_long_history_loads_page_by_page_and_branches_at_the_right_exchange(
+        browser, paged_server):  # noqa: F811
     ctx = await browser.new_context(viewport={"width": 1280, "height": 800}, base_url=paged_server.base_url)
     try:
         page = await ctx.new_page()
@@ -124,20 +125,16 @@ async def test_a_long_history_loads_page_by_page_and_branches_at_the_right_excha
         await page.reload()
         await expect(users).to_have_text(QUESTIONS[3:])
         await expect(earlier).to_have_count(1)
-        await assistant_of(page).get_by_role("button", name="Regenerate this answer").click()
+        last_answer = page.get_by_test_id("message-assistant").last
+        await last_answer.get_by_role("button", name="Regenerate this answer").click()
         await page.wait_for_function(
             "(o) => { const c = JSON.parse(localStorage.getItem('chatcore.current')); return c && c !== o; }",
             arg=original)
         branch = await page.evaluate("() => JSON.parse(localStorage.getItem('chatcore.current'))")
-        await expect(page.get_by_test_id("message-assistant").last).to_have_attribute(
-            "data-finish", re.compile(r".+"), timeout=GEN_TIMEOUT_MS)
+        await expect(last_answer).to_have_attribute("data-finish", re.compile(r".+"), timeout=GEN_TIMEOUT_MS)
         detail = await (await page.request.get(f"/v1/sessions/{branch}")).json()
         assert [m["content"] for m in detail["history"] if m["role"] == "user"] == QUESTIONS
         assert [m["content"] for m in detail["history"][:8]] == [m["content"] for m in messages[:8]]
         assert not errors, errors
     finally:
         await ctx.close()
-
-
-def assistant_of(page):
-    return page.get_by_test_id("message-assistant").last
