@@ -111,6 +111,25 @@ class Settings(BaseSettings):
         None, ge=32, description="tokens of context per sequence (prompt + answer); default: the model's window")
     max_sessions_per_tenant: int = Field(1000, ge=1, description="stored sessions per tenant at most")
     max_turns_per_tenant: int = Field(16, ge=1, description="turns running at once per tenant at most; past it: busy")
+    import_context_multiple: float = Field(
+        8.0, gt=0, description="an import's history holds at most this many contexts (max_context), in tokens, "
+        "and 8 characters a token before it is tokenized; past it: too_large")
+    max_concurrent_imports: int = Field(1, ge=1, description="imports tokenizing at once, server-wide, at most (they "
+                                        "share the tokenizer thread with every turn); past it: busy")
+    max_stored_chars_per_tenant: int = Field(
+        50_000_000, ge=1, description="characters of stored messages per tenant past which an import is refused "
+        "(too_large)")
+    max_connections: int = Field(1000, ge=1, description="open connections (HTTP and WebSocket) at most; past it a "
+                                 "request or upgrade gets 503")
+    header_timeout_s: float = Field(10.0, gt=0, description="a connection whose request headers are not complete "
+                                    "this long after it opened (or after its last response) is closed")
+    max_unauthenticated_sockets_per_address: int = Field(
+        8, ge=1, description="WebSockets from one client address waiting for their auth frame at once, at most; "
+        "past it the socket gets busy and is closed (1008)")
+    max_history_reads_per_minute: int = Field(
+        30, ge=1, description="hello and history frames a WebSocket may send a minute; past it: busy")
+    history_page_messages: int = Field(
+        100, ge=2, description="messages (whole exchanges) a session or history frame carries at most")
     allowed_origins: list[str] = Field(default_factory=list, description="browser origins allowed besides the "
                                        "server's own, for HTTP (with CORS headers) and the WebSocket")
     allowed_hosts: list[str] = Field(default_factory=list, description="Host names open mode answers besides loopback")

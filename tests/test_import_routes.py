@@ -3,10 +3,13 @@ exactly as if they had been generated in it; bad bodies are refused whole."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import pytest
 import websockets
 
-from tests.server_helpers import hello, turn
+from tests.server_helpers import hello, recv_until, start_server, turn, until_tokens
 
 pytestmark = pytest.mark.model
 GREEDY = {"temperature": 0, "max_tokens": 8}
@@ -72,3 +75,98 @@ def test_import_refuses_an_oversized_history(live_server):
     body = {"messages": [{"role": "user", "content": big}, {"role": "assistant", "content": big}]}
     status, answer = live_server.request("POST", "/v1/sessions/import", body)
     assert status == 413 and answer["error"]["code"] == "too_large", answer
+
+
+# ----- what an import may cost (a server with a small context, so the bounds are cheap to reach) -----------
+
+CONTEXT = 512
+MULTIPLE = 32  # imports up to 16,384 tokens and 131,072 characters
+QUOTA = 50_000
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("import-limits"), max_context=CONTEXT,
+                          import_context_multiple=MULTIPLE, max_stored_chars_per_tenant=QUOTA,
+                          max_turns_per_tenant=2, max_concurrent_imports=1)
+    yield server
+    server.stop()
+
+
+def exchange(user: str, answer: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+
+
+def session_ids(server) -> set[str]:
+    return {s["id"] for s in server.get("/v1/sessions")[1]}
+
+
+def test_import_is_capped_relative_to_the_context(limited):
+    before = session_ids(limited)
+    # Characters first, before anything is tokenized: 8 a token.
+    chars = CONTEXT * MULTIPLE * 8
+    status, answer = limited.request("POST", "/v1/sessions/import",
+                                     {"messages": exchange("x" * (chars // 2), "y" * (chars // 2 + 1))})
+    assert status == 413 and answer["error"]["code"] == "too_large", answer
+    assert f"the limit is {chars}" in answer["error"]["message"]
+    # Within the characters, over the tokens: "a " is about a token a word.
+    status, answer = limited.request("POST", "/v1/sessions/import",
+                                     {"messages": exchange("a " * 10_000, "b " * 10_000)})
+    assert status == 413 and answer["error"]["code"] == "too_large", answer
+    assert f"the limit is {CONTEXT * MULTIPLE}" in answer["error"]["message"]
+    assert session_ids(limited) == before  # the refused session was deleted
+    # Under both: accepted.
+    status, body = limited.request("POST", "/v1/sessions/import", {"messages": exchange("a " * 1000, "b " * 1000)})
+    assert status == 201 and body["history_tokens"] <= CONTEXT * MULTIPLE, body
+    assert limited.request("DELETE", f"/v1/sessions/{body['id']}")[0] == 204
+
+
+def test_import_respects_the_tenant_store_quota(limited):
+    text = "hello world " * 1250  # 15,000 characters a message, 30,000 an import
+    status, first = limited.request("POST", "/v1/sessions/import", {"messages": exchange(text, text)})
+    assert status == 201, first
+    status, answer = limited.request("POST", "/v1/sessions/import", {"messages": exchange(text, text)})
+    assert status == 413 and answer["error"]["code"] == "too_large", answer
+    assert "max_stored_chars_per_tenant" in answer["error"]["message"] and str(QUOTA) in answer["error"]["message"]
+    assert limited.request("DELETE", f"/v1/sessions/{first['id']}")[0] == 204
+    status, second = limited.request("POST", "/v1/sessions/import", {"messages": exchange(text, text)})
+    assert status == 201, second  # deleting frees the quota
+    assert limited.request("DELETE", f"/v1/sessions/{second['id']}")[0] == 204
+
+
+async def test_imports_count_against_the_tenant_turns_and_the_server_import_slots(limited):
+    # Two running turns take the tenant's two slots: an import is busy, like a third turn.
+    sockets = [await websockets.connect(limited.ws_url) for _ in range(2)]
+    try:
+        for ws in sockets:
+            await hello(ws)
+            await ws.send(json.dumps({"type": "user", "id": "long", "content": "Count to a thousand.",
+                                      "params": {"max_tokens": 400, "ignore_eos": True, "temperature": 0}}))
+        for ws in sockets:
+            await until_tokens(ws, 1)
+        status, answer = limited.request("POST", "/v1/sessions/import", {"messages": exchange("a", "b")})
+        assert status == 429 and answer["error"]["code"] == "busy", answer
+        assert "max_turns_per_tenant" in answer["error"]["message"]
+    finally:
+        for ws in sockets:
+            await ws.send(json.dumps({"type": "cancel"}))
+            await recv_until(ws, "done")
+            await ws.close()
+
+    # One import at a time server-wide: a second one while the first fills its 1,600 rows is busy.
+    many = [m for i in range(800) for m in exchange(f"q{i}", f"a{i}")]
+    before = session_ids(limited)
+    slow = asyncio.create_task(asyncio.to_thread(limited.request, "POST", "/v1/sessions/import",
+                                                 {"title": "slow", "messages": many}))
+    async with asyncio.timeout(60):
+        while not session_ids(limited) - before:  # created before its turns are written
+            await asyncio.sleep(0.02)  # polling for the first import to be in flight
+    status, answer = limited.request("POST", "/v1/sessions/import", {"messages": exchange("a", "b")})
+    assert status == 429 and answer["error"]["code"] == "busy", answer
+    assert "max_concurrent_imports" in answer["error"]["message"]
+    status, body = await slow
+    assert status == 201 and body["turns"] == 800, body
+    status, after = limited.request("POST", "/v1/sessions/import", {"messages": exchange("a", "b")})
+    assert status == 201, after  # the slot is free again
+    for sid in (body["id"], after["id"]):
+        assert limited.request("DELETE", f"/v1/sessions/{sid}")[0] == 204

@@ -32,7 +32,7 @@ from tests.server_helpers import start_server
 pytestmark = pytest.mark.model
 FRAME_LIMIT = 65536
 ALLOWED_CLOSES = {1007: "invalid UTF-8", 1009: "frame too large", 1008: "unauthorized"}
-KNOWN_TYPES = {"hello", "user", "cancel", "ping"}
+KNOWN_TYPES = {"hello", "user", "cancel", "ping", "history"}
 FUZZ_SETTINGS = {"deadline": None, "database": None, "derandomize": True, "print_blob": True,
                  "suppress_health_check": list(HealthCheck)}
 
@@ -125,6 +125,21 @@ def bad_user() -> st.SearchStrategy[str]:
     )
 
 
+def bad_history() -> st.SearchStrategy[str]:
+    """A `history` page request that must fail whether or not the socket is attached: a bad or missing
+    `before`, one past any history a fuzzed session holds, or a field the frame does not define."""
+    base = {"type": "history", "before": 0}
+    return st.one_of(
+        (bad_ints | st.integers(max_value=-1) | st.integers(2**63))
+        .filter(lambda v: v is not None and not (type(v) is int and v == 0))  # 0 is the empty first page
+        .map(lambda v: with_field(base, "before", v)),
+        st.just(dumps({"type": "history"})),
+        st.integers(10**5, 10**6).map(lambda n: dumps({"type": "history", "before": n})),  # past any fuzzed history
+        st.text(min_size=1, max_size=8).filter(lambda k: k not in {"type", "before"})
+        .map(lambda k: dumps({**base, k: 1})),
+    )
+
+
 def deep(depth: int, kind: str) -> str:
     if kind == "list":
         return "[" * depth + "]" * depth
@@ -152,6 +167,7 @@ frames = st.one_of(
     .map(lambda d: ("text", dumps({**d, "type": "ping"}), set(d) - {"type"} != set())),  # unknown fields: refused
     bad_hello().map(lambda t: ("text", t, True)),
     bad_user().map(lambda t: ("text", t, True)),
+    bad_history().map(lambda t: ("text", t, True)),
     st.tuples(st.integers(1, 20_000), st.sampled_from(["list", "dict", "params"]))
     .map(lambda a: ("text", deep(*a), True)),
     st.tuples(st.integers(20, 6000), st.sampled_from(["last_seq", "max_tokens"]))

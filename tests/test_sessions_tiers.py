@@ -198,6 +198,28 @@ async def test_prefetch_brings_a_cold_history_into_the_pool_before_its_turn(make
     assert reopened.prefetching is None
 
 
+async def test_a_prefetch_that_found_nothing_on_disk_is_not_repeated_until_the_history_changes(
+        make_services) -> None:  # noqa: F811
+    """An imported history (never computed, so neither in the pool nor on disk): the first `hello`'s
+    prefetch hashes the chain and finds nothing; later ones start nothing until the history changes."""
+    services = await make_services(kv_disk_gb=1)
+    state, _ = await services.sessions.create(services.local_tenant_id)
+    bs = services.settings.block_size
+    state.tokens = [1000 + i % 300 for i in range(8 * bs)]
+    services.turns.prefetch(state)  # what `hello` does
+    assert state.prefetching is not None
+    assert await state.prefetching == range(0)
+    assert state.prefetching is None and state.disk_missed is state.tokens
+    for _ in range(3):
+        services.turns.prefetch(state)
+        assert state.prefetching is None  # no task: no hashing, no index query
+    state.tokens = [*state.tokens, *range(2000, 2000 + bs)]  # a turn replaced the history
+    services.turns.prefetch(state)
+    assert state.prefetching is not None
+    assert await state.prefetching == range(0)
+    assert state.disk_missed is state.tokens
+
+
 def test_a_block_that_cannot_be_installed_leaves_nothing_referenced(make_core) -> None:
     import pytest
 

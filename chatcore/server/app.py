@@ -27,6 +27,7 @@ from chatcore.server import (
 )
 from chatcore.server.auth import Authenticator, RevocationWatch, host_allowed
 from chatcore.server.body_decoding import NUL, StrictRequest
+from chatcore.server.connections import PendingSockets
 from chatcore.server.deps import DEPENDENCIES
 from chatcore.server.errors import (
     ApiError,
@@ -104,6 +105,7 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> Litesta
         app.state.auth = Authenticator(services)
         app.state.gauges = ops_routes.GaugeRefresher(services)
         app.state.revocations = RevocationWatch(services)
+        app.state.pending_sockets = PendingSockets(settings.max_unauthenticated_sockets_per_address)
         try:  # whatever fails from here on, the services stop (leases released, engine joined)
             await app.state.gauges.start()
             app.state.revocations.start()

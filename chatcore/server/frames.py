@@ -53,7 +53,14 @@ class Auth(msgspec.Struct, tag="auth", tag_field="type", forbid_unknown_fields=T
     api_key: Annotated[str, Meta(max_length=MAX_KEY_CHARS)] | None = None
 
 
-Frame = Hello | User | Cancel | Ping | Auth
+class History(msgspec.Struct, tag="history", tag_field="type", forbid_unknown_fields=True):
+    """An earlier page of the attached session's history: the messages before index `before` (a
+    `history_start` the client was sent)."""
+
+    before: Annotated[int, Meta(ge=0, le=MAX_SEQ)]
+
+
+Frame = Hello | User | Cancel | Ping | Auth | History
 
 
 def decode_frame(frame: object) -> Frame:

@@ -97,13 +97,16 @@ def serve_command(settings: Settings) -> int:
     from chatcore.engine.warmup import NotReady
     from chatcore.models.loader import load_model
     from chatcore.server.app import create_app
+    from chatcore.server.connections import guarded_http_protocol
 
     # Loaded before anything binds: a model refused at load (models/support.py) is one line and exit 2.
     app = create_app(settings, load_model(settings))
     openmp.single_threaded()  # the event loop's thread: the engine's thread computes (chatcore/openmp.py)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             log_config=None,  # uvicorn's records go to the root logger's format
-                            ws_max_size=settings.max_frame_bytes * 4, timeout_graceful_shutdown=10)
+                            ws_max_size=settings.max_frame_bytes * 4, timeout_graceful_shutdown=10,
+                            limit_concurrency=settings.max_connections,
+                            http=guarded_http_protocol(settings.header_timeout_s))  # chatcore/server/connections.py
     hygiene = LogHygiene(f"{NotReady.__module__}.{NotReady.__qualname__}")  # after uvicorn's logging set-up
     for name in ("uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).addFilter(hygiene)

@@ -53,6 +53,7 @@ class Services:
     # The WebSocket connection attached to each session (a `chatcore.server.ws.Connection`): one at a
     # time. Typed Any: dependency injection evaluates these annotations at run time, and ws imports this module.
     ws_attached: dict[str, Any] = field(default_factory=dict)
+    imports_running: int = 0  # POST /v1/sessions/import requests in flight (`max_concurrent_imports`)
 
     @classmethod
     async def start(cls, settings: Settings, loaded: LoadedModel | None = None) -> Services:

@@ -28,17 +28,20 @@ from chatcore.server.auth import (
     presented_key,
 )
 from chatcore.server.body_decoding import nul_error
+from chatcore.server.connections import PendingSockets
 from chatcore.server.errors import ApiError, from_session_error
 from chatcore.server.frames import (
     Auth,
     Cancel,
     Frame,
     Hello,
+    History,
     Ping,
     SessionParams,
     User,
     decode_frame,
 )
+from chatcore.server.history import HistoryReads, page_fields
 from chatcore.server.params import compile_response_format, sampling_params
 from chatcore.server.services import Services
 from chatcore.sessions.manager import SessionError
@@ -50,8 +53,8 @@ CLOSE_TOO_BIG = 1009
 CLOSE_CONFLICT = 4409
 # What may wait for a client that does not read (beyond what the kernel's socket buffers hold):
 # a whole 2,048-token turn fits many times over. Past either bound the socket is closed (1008)
-# and the queue dropped. Characters bound the frames that are big (a `session` frame carries the
-# whole history), the count bounds the per-frame overhead of tiny ones (pongs).
+# and the queue dropped. Characters bound the frames that are big (a `session` frame carries a
+# page of history, up to 1 Mi characters), the count bounds the per-frame overhead of tiny ones (pongs).
 MAX_QUEUED_FRAMES = 8192
 MAX_QUEUED_CHARS = 4 << 20  # of JSON text, 1 to 4 bytes each in memory
 AUTH_FRAME_TIMEOUT_S = 10.0  # keyed mode, no key on the upgrade: how long the `auth` frame may take
@@ -83,6 +86,7 @@ class Connection:
         self.last_seq: int | None = None
         self.pump: asyncio.Task[None] | None = None
         self.closed = False
+        self.history_reads = HistoryReads(services.settings.max_history_reads_per_minute)
 
     # ----- output ----------------------------------------------------------------------------
     def send(self, frame: dict[str, Any]) -> None:
@@ -193,8 +197,22 @@ class Connection:
             if self.state is None:
                 raise ApiError("bad_request", "send hello first")
             await self.services.turns.cancel(self.state, FinishReason.CANCELLED)
+        elif isinstance(frame, History):
+            self.history(frame)
+
+    def history(self, frame: History) -> None:
+        """An earlier page of the attached session's history (chatcore/server/history.py)."""
+        if self.state is None:
+            raise ApiError("bad_request", "send hello first")
+        history = self.state.history()
+        if frame.before > len(history):
+            raise ApiError("bad_request", f"before must be at most {len(history)}, the messages in the history")
+        self.history_reads.take()
+        page = page_fields(history, frame.before, self.services.settings.history_page_messages)
+        self.send({"type": "history", **page})
 
     async def hello(self, frame: Hello) -> None:
+        self.history_reads.take()
         session_id, token, last_seq = frame.session_id, frame.resume_token, frame.last_seq
         routed = self.socket.query_params.get("session_id")  # for nginx's affinity (docs/deploy.md)
         if routed and session_id is not None and routed != session_id:
@@ -211,9 +229,10 @@ class Connection:
             return
         self.attach(state)
         self.last_seq = last_seq
+        history = state.history()
         self.send({"type": "session", "session_id": state.id, "resume_token": token, "title": state.title,
-                   "history": state.history(), "truncated_turns": state.window_start, "seq": state.next_seq,
-                   "limits": self.services.limits()})
+                   **page_fields(history, len(history), self.services.settings.history_page_messages),
+                   "truncated_turns": state.window_start, "seq": state.next_seq, "limits": self.services.limits()})
         current = state.current
         if current is not None and (state.turn_running or last_seq is not None):
             self.follow(state, last_seq)
@@ -272,10 +291,10 @@ async def chat_socket(socket: WebSocket, services: Services) -> None:
         return
     await socket.accept()
     try:
-        principal = await _authenticate(socket, auth, settings.max_frame_bytes)
+        principal = await _authenticate(socket, auth, settings.max_frame_bytes, socket.app.state.pending_sockets)
     except ApiError as exc:
         await socket.send_data(json.dumps(exc.frame()), mode="text")
-        await socket.close(code=CLOSE_POLICY, reason="unauthorized")
+        await socket.close(code=CLOSE_POLICY, reason="unauthorized" if exc.code == "unauthorized" else "busy")
         return
     if principal is None:  # gone before it said who it is
         return
@@ -308,17 +327,20 @@ async def chat_socket(socket: WebSocket, services: Services) -> None:
         await asyncio.gather(sender, return_exceptions=True)
 
 
-async def _authenticate(socket: WebSocket, auth: Authenticator, max_bytes: int) -> Principal | None:
+async def _authenticate(socket: WebSocket, auth: Authenticator, max_bytes: int,
+                        pending: PendingSockets) -> Principal | None:
     """The caller, from the upgrade (`Authorization`, `?api_key=`), or else, in keyed mode, from a
     first frame `{"type":"auth","api_key":...}`: a browser cannot set headers on a WebSocket, and a
-    key in the URL ends up in proxies' logs. None when the client leaves before that frame."""
+    key in the URL ends up in proxies' logs. None when the client leaves before that frame. Sockets
+    waiting for that frame are bounded per client address (`busy` past the bound)."""
     key = presented_key(socket)
     # Re-checked now (one count of keys): a socket let in as `local` on a stale "open" answer would
     # stay the admin tenant for its whole life, whatever key its `auth` frame then names.
     if key is not None or await auth.open_mode(key_presented=True):
         return await auth.for_key(key)
     try:
-        message = await asyncio.wait_for(socket.receive(), AUTH_FRAME_TIMEOUT_S)
+        with pending.waiting(socket.client.host if socket.client else ""):
+            message = await asyncio.wait_for(socket.receive(), AUTH_FRAME_TIMEOUT_S)
     except TimeoutError:
         raise ApiError("unauthorized", f"no key: send an auth frame within {AUTH_FRAME_TIMEOUT_S:.0f} s") from None
     if message["type"] == "websocket.disconnect":

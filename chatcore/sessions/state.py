@@ -33,6 +33,10 @@ class SessionState:
     current: TurnFrames | None = None
     running: asyncio.Task[None] | None = None
     prefetching: asyncio.Task[range] | None = None  # disk reads started by `hello` (TurnRunner.prefetch)
+    # The `tokens` a prefetch last found nothing of on the disk tier. `tokens` is replaced when it
+    # changes, never changed in place, so while it is this very list no prefetch starts: each one
+    # would hash the whole chain and look it up again, for nothing (a `hello` storm on a long history).
+    disk_missed: list[int] | None = None
     request_id: str | None = None
     cancel_reason: FinishReason | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)

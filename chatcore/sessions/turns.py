@@ -289,8 +289,10 @@ class TurnRunner:
         """Start bringing the session's history back from the disk tier (on `hello`, or ahead of
         its expected turn): the reads overlap other sessions' compute, and its next turn finds the
         blocks in the pool. A prefetch that found everything in the pool already leaves nothing
-        behind, so a later one may still fetch what gets evicted meanwhile."""
-        if self.disk is not None and state.tokens and state.prefetching is None and not state.turn_running:
+        behind, so a later one may still fetch what gets evicted meanwhile. One that found nothing on
+        disk is not repeated until the history changes (`SessionState.disk_missed`)."""
+        if self.disk is not None and state.tokens and state.prefetching is None and not state.turn_running \
+                and state.disk_missed is not state.tokens:
             task = state.prefetching = asyncio.create_task(self.load_history(state), name=f"prefetch-{state.id}")
 
             def nothing_loaded(done: asyncio.Task[range]) -> None:
@@ -320,7 +322,8 @@ class TurnRunner:
         cached-free blocks claimed by the session; returns the installed blocks' places in the chain."""
         disk = self.disk
         assert disk is not None
-        tokens = list(state.tokens)
+        current = state.tokens
+        tokens = list(current)
         bs = self.engine.block_size
         salt = self.engine.salt(state.scope_key)
         max_blocks = len(tokens) // bs
@@ -335,6 +338,7 @@ class TurnRunner:
             return range(0)
         tensors = await disk.load(chain_hashes(tokens, bs, salt)[device_blocks:max_blocks])
         if not tensors:
+            state.disk_missed = current
             return range(0)
 
         def install() -> range:

@@ -3,7 +3,7 @@
 
 import { CachePanel } from "./cache-panel.js";
 import { Api, ApiError } from "./protocol.js";
-import { ChatSession, exchangesBefore } from "./session.js";
+import { ChatSession } from "./session.js";
 import { store } from "./store.js";
 import { SHORTCUTS, matchShortcut, renderShortcutList } from "./shortcuts.js";
 import { renderSessionItem } from "./sidebar.js";
@@ -137,6 +137,7 @@ function makeController(opts) {
   const s = new ChatSession({ api, getKey, ...opts });
   const mine = () => s === current;
   s.addEventListener("reset", () => mine() && renderTranscript());
+  s.addEventListener("earlier", () => mine() && renderTranscript({ keepPosition: true }));
   s.addEventListener("message", (e) => mine() && onMessage(e.detail.msg));
   s.addEventListener("removed", (e) => {
     if (!mine()) return;
@@ -279,7 +280,8 @@ function openSession(id) {
 
 // ---- transcript -------------------------------------------------------------------------
 
-function renderTranscript() {
+function renderTranscript({ keepPosition = false } = {}) {
+  const fromBottom = el.transcript.scrollHeight - el.transcript.scrollTop;
   msgEls.clear();
   dirty.clear();
   const nodes = current.messages.map((m) => {
@@ -287,12 +289,25 @@ function renderTranscript() {
     msgEls.set(m.key, node);
     return node;
   });
-  el.messages.replaceChildren(...nodes);
+  el.messages.replaceChildren(...(current.offset > 0 ? [earlierButton()] : []), ...nodes);
   placeWindowMarker();
   updateWelcome();
   syncMessageActions();
+  if (keepPosition) {
+    // earlier messages went in above: the ones on screen stay where they were
+    el.transcript.scrollTop = el.transcript.scrollHeight - fromBottom;
+    return;
+  }
   stickToBottom = true;
   scrollToBottom();
+}
+
+/** The history's earlier pages load on demand: this button, or scrolling to the top. */
+function earlierButton() {
+  const count = current.offset;
+  return h("button", { type: "button", class: "load-earlier", "data-testid": "load-earlier",
+                       onclick: () => current && current.loadEarlier(),
+                       text: `Load earlier messages (${count} more)` });
 }
 
 /** A marker before the first exchange the model still sees. Exchanges that ended in an error are
@@ -300,9 +315,9 @@ function renderTranscript() {
 function placeWindowMarker() {
   el.messages.querySelector('[data-testid="truncation-marker"]')?.remove();
   const dropped = current ? current.truncatedTurns : 0;
-  if (!dropped) return;
+  if (!dropped || dropped < current.offset / 2) return; // the view starts above the loaded messages
   const msgs = current.messages;
-  let kept = 0;
+  let kept = current.offset / 2;
   for (let i = 0; i < msgs.length; i++) {
     if (msgs[i].role !== "user") continue;
     const answer = msgs[i + 1];
@@ -377,6 +392,7 @@ el.transcript.addEventListener(
     const gap = el.transcript.scrollHeight - el.transcript.scrollTop - el.transcript.clientHeight;
     stickToBottom = gap < 80;
     el.jump.hidden = stickToBottom;
+    if (el.transcript.scrollTop < 40 && current && current.offset > 0) current.loadEarlier();
   },
   { passive: true }
 );
@@ -489,13 +505,13 @@ function regenerate(answer) {
   const msgs = current ? current.messages : [];
   const i = msgs.indexOf(answer);
   if (answer !== regenerateTarget() || i < 1) return;
-  branchAndSend(exchangesBefore(msgs, i - 1), msgs[i - 1].content);
+  branchAndSend(current.exchangesBefore(i - 1), msgs[i - 1].content);
 }
 
 function resendEdited(userMsg, text) {
   const i = current ? current.messages.indexOf(userMsg) : -1;
   if (i < 0 || !text.trim()) return;
-  branchAndSend(exchangesBefore(current.messages, i), text);
+  branchAndSend(current.exchangesBefore(i), text);
 }
 
 /** Branch the open chat after its first `turns` complete exchanges (POST /v1/sessions/{id}/branch),

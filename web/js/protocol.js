@@ -102,6 +102,7 @@ const DEAD_AFTER_MS = 35000;
  *   session  the `session` frame (after every successful hello)
  *   frame    a start/token/done frame not seen before
  *   pong     a pong frame
+ *   history  a `history` frame (an earlier page of the history, asked for with {type: "history"})
  *   failure  {code, message}: an `error` frame (`unauthorized`, `conflict` and `not_found`
  *            on hello stop the reconnect loop; the owner decides what to do next)
  */
@@ -236,6 +237,9 @@ export class SessionSocket extends EventTarget {
         break;
       case "pong":
         this.emit("pong", frame);
+        break;
+      case "history":
+        this.emit("history", frame);
         break;
       case "error":
         if (frame.code === "unauthorized" || frame.code === "conflict" || (frame.code === "not_found" && !this.attached)) {

@@ -50,6 +50,11 @@ function makeMsg(role, content, extra = {}) {
   };
 }
 
+/** Where a `session` or `history` frame's page starts in the whole history. */
+function pageStart(f) {
+  return Number.isInteger(f.history_start) && f.history_start > 0 ? f.history_start : 0;
+}
+
 /** How many of `messages` the server's history holds: a turn that ended in `error` is not kept there. */
 export function canonicalCount(messages) {
   let n = 0;
@@ -86,6 +91,10 @@ export class ChatSession extends EventTarget {
     this.systemPrompt = systemPrompt;
     this.messages = [];
     this.truncatedTurns = 0;
+    // Messages of the server's history before messages[0], not loaded yet (`history_start`): a hello
+    // brings the last page; `loadEarlier` asks for the one before (docs/protocol.md, "History pages").
+    this.offset = 0;
+    this.loadingEarlier = false;
     this.running = false;
     this.loaded = false;
     this.connState = "closed";
@@ -132,6 +141,7 @@ export class ChatSession extends EventTarget {
     socket.addEventListener("session", (e) => socket === this.socket && this.onSession(e.detail));
     socket.addEventListener("frame", (e) => socket === this.socket && this.onFrame(e.detail));
     socket.addEventListener("pong", () => socket === this.socket && this.onPong());
+    socket.addEventListener("history", (e) => socket === this.socket && this.onHistory(e.detail));
     socket.addEventListener("failure", (e) => socket === this.socket && this.onFailure(e.detail));
     socket.start();
   }
@@ -189,13 +199,14 @@ export class ChatSession extends EventTarget {
       return;
     }
     const history = Array.isArray(f.history) ? f.history : [];
+    const start = pageStart(f);
     if (!this.loaded) {
-      this.build(history);
+      this.build(history, start);
       this.loaded = true;
       this.emit("reset");
       this.loadDetails();
     } else {
-      this.reconcile(history);
+      this.reconcile(history, start);
     }
     this.emit("meta");
     if (this.queued && !this.pending && !this.running) {
@@ -212,7 +223,8 @@ export class ChatSession extends EventTarget {
     }
   }
 
-  build(history) {
+  build(history, start = 0) {
+    this.offset = start;
     const hist = [];
     for (const m of history) {
       if (m.role === "system") {
@@ -225,13 +237,14 @@ export class ChatSession extends EventTarget {
     this.adopt = null;
     let running = false;
     if (p) {
-      if (hist.length >= p.base + 2 && hist[p.base].role === "user" && hist[p.base + 1].role === "assistant") {
+      const at = Math.max(0, p.base - start); // where the turn is in the loaded page
+      if (hist.length >= at + 2 && hist[at].role === "user" && hist[at + 1].role === "assistant") {
         // the history already holds this turn (it finished while we were away, or the server
         // lists it in flight): replayed frames only confirm its text and bring its statistics
-        this.adopt = { msg: hist[p.base + 1], turn: p.turn, shadow: "", fromPending: true, sawStart: false };
+        this.adopt = { msg: hist[at + 1], turn: p.turn, shadow: "", fromPending: true, sawStart: false };
         this.clearPending(); // nothing to resend: the server has the whole exchange
       } else {
-        hist.length = Math.min(hist.length, p.base); // a running turn's user message is ours to show
+        hist.length = Math.min(hist.length, at); // a running turn's user message is ours to show
         hist.push(makeMsg("user", p.user, { clientId: p.clientId }));
         hist.push(makeMsg("assistant", "", { streaming: true, waiting: true, turn: p.turn }));
         running = true;
@@ -241,17 +254,42 @@ export class ChatSession extends EventTarget {
     this.setRunning(running);
   }
 
-  reconcile(history) {
+  reconcile(history, start = 0) {
     // Same page, new socket: our messages stay, the replay continues the running turn.
     // Only if the server knows more completed turns than we show (another tab) do we rebuild.
-    const completed = canonicalCount(this.messages.filter((m) => !m.streaming && !(m.role === "user" && this.isPendingUser(m))));
-    const serverCount = history.filter((m) => m.role !== "system").length;
+    const completed = this.offset + canonicalCount(this.messages.filter((m) => !m.streaming && !(m.role === "user" && this.isPendingUser(m))));
+    const serverCount = start + history.filter((m) => m.role !== "system").length;
     const ours = this.running ? completed + 2 : completed;
     if (serverCount > ours) {
-      this.build(history);
+      this.build(history, start);
       this.emit("reset");
       this.loadDetails();
     }
+  }
+
+  /** Ask for the page of history before the loaded messages (a `history` frame). */
+  loadEarlier() {
+    if (this.offset <= 0 || this.loadingEarlier || !this.socket || !this.socket.attached) return false;
+    this.loadingEarlier = true;
+    this.socket.sendNow({ type: "history", before: this.offset });
+    return true;
+  }
+
+  onHistory(f) {
+    this.loadingEarlier = false;
+    const page = Array.isArray(f.history) ? f.history : [];
+    const start = pageStart(f);
+    if (start + page.length !== this.offset) return; // not the page before ours (the history was rebuilt)
+    const earlier = page.filter((m) => m.role === "user" || m.role === "assistant")
+      .map((m) => makeMsg(m.role, m.content || "", { finish: m.finish_reason || null }));
+    this.messages = [...earlier, ...this.messages];
+    this.offset = start;
+    this.emit("earlier", { count: earlier.length });
+  }
+
+  /** The number of complete exchanges before `messages[index]`, counting those not loaded yet. */
+  exchangesBefore(index) {
+    return this.offset / 2 + exchangesBefore(this.messages, index);
   }
 
   isPendingUser(m) {
@@ -406,6 +444,7 @@ export class ChatSession extends EventTarget {
   }
 
   onFailure({ code, message }) {
+    this.loadingEarlier = false; // a refused history frame (busy) may be asked again
     if (code === "unauthorized") {
       if (this.id && !this.tokenRetried) {
         this.tokenRetried = true;
@@ -450,7 +489,7 @@ export class ChatSession extends EventTarget {
   sendMessage(content, params) {
     if (this.running) return false;
     const clientId = uuid();
-    const base = canonicalCount(this.messages);
+    const base = this.offset + canonicalCount(this.messages);
     this.messages.push(makeMsg("user", content, { clientId }));
     const reply = makeMsg("assistant", "", { streaming: true, waiting: true });
     this.messages.push(reply);
@@ -515,6 +554,7 @@ export class ChatSession extends EventTarget {
     if (rebuildForeign && !this.running) {
       // a turn started elsewhere finished: the server's history is the whole truth
       this.messages = hist.map((m) => makeMsg(m.role, m.content || "", { finish: m.finish_reason, usage: m.usage, timing: m.timing }));
+      this.offset = 0;
       this.emit("reset");
     } else {
       // walk both lists in order; the stored one may hold more rows (failed or running turns)

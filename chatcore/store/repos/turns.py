@@ -9,7 +9,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatcore.outcomes import FinishReason
-from chatcore.store.models import ROLES, Role, Turn
+from chatcore.store.models import ROLES, ChatSession, Role, Turn
 from chatcore.store.packing import pack_ids
 
 
@@ -105,6 +105,12 @@ class TurnRepo:
 
     async def list_turns(self, session_id: str) -> list[Turn]:
         return list(await self.db.scalars(select(Turn).where(Turn.session_id == session_id).order_by(Turn.idx)))
+
+    async def chars_for_tenant(self, tenant_id: str) -> int:
+        """Characters of every stored message of the tenant's sessions (its store quota's measure)."""
+        query = (select(func.coalesce(func.sum(func.length(Turn.content)), 0))
+                 .join(ChatSession, ChatSession.id == Turn.session_id).where(ChatSession.tenant_id == tenant_id))
+        return int(await self.db.scalar(query) or 0)
 
     async def find_by_client_id(self, session_id: str, client_id: str) -> list[Turn]:
         """The turns of the exchange started by the client's message `client_id`, in order."""

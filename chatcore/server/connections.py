@@ -1,0 +1,111 @@
+"""Connection limits: what a client may hold open before it has said who it is.
+
+- `max_connections` (uvicorn's `limit_concurrency`): past it an HTTP request gets 503. uvicorn checks
+  only HTTP requests; `GuardedHttpProtocol` applies the same bound to WebSocket upgrades.
+- `header_timeout_s`: a connection whose request headers are not complete this long after it opened,
+  or after its last response, is closed. uvicorn has no such timeout (`timeout_keep_alive` starts only
+  after a response), so a client could hold a connection forever with half a request.
+- `max_unauthenticated_sockets_per_address`: WebSockets from one address waiting for their `auth`
+  frame (`PendingSockets`, used by `chatcore.server.ws`). A socket whose upgrade carries a key, or any
+  socket in open mode, is authenticated at once and never waits there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from chatcore.server.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP protocol with a deadline on request headers and the connection bound on upgrades.
+
+    The deadline is armed when the connection opens and after each response (unless a pipelined
+    request is already parsed), and disarmed when a request's headers are complete."""
+
+    header_timeout_s: float = 10.0  # set per server by `guarded_http_protocol`
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._header_deadline: asyncio.TimerHandle | None = None
+        super().connection_made(transport)
+        self._arm_header_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_deadline()
+        super().connection_lost(exc)
+
+    def on_headers_complete(self) -> None:
+        self._disarm_header_deadline()
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        idle = not self.pipeline
+        super().on_response_complete()
+        if idle and not self.transport.is_closing():
+            self._arm_header_deadline()
+
+    def handle_websocket_upgrade(self) -> None:
+        limit = self.limit_concurrency
+        if limit is not None and len(self.connections) >= limit:  # the test uvicorn applies to HTTP requests
+            log.warning("a WebSocket upgrade was refused: %d connections are open (max_connections)",
+                        len(self.connections))
+            self._refuse_upgrade()
+            return
+        super().handle_websocket_upgrade()
+
+    def _refuse_upgrade(self) -> None:
+        body = b"Service Unavailable: too many connections"
+        self.transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                             b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+        self.transport.close()
+
+    def _arm_header_deadline(self) -> None:
+        self._disarm_header_deadline()
+        self._header_deadline = self.loop.call_later(self.header_timeout_s, self._header_deadline_passed)
+
+    def _disarm_header_deadline(self) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def _header_deadline_passed(self) -> None:
+        self._header_deadline = None
+        if not self.transport.is_closing():
+            log.info("closed a connection whose request headers took over %g s (header_timeout_s)",
+                     self.header_timeout_s)
+            self.transport.close()
+
+
+def guarded_http_protocol(header_timeout_s: float) -> type[GuardedHttpProtocol]:
+    """The protocol class to give uvicorn (`Config(http=...)`), with this server's header timeout."""
+    return type("GuardedHttpProtocol", (GuardedHttpProtocol,), {"header_timeout_s": header_timeout_s})
+
+
+class PendingSockets:
+    """WebSockets waiting for their `auth` frame, counted per client address."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._waiting: Counter[str] = Counter()
+
+    @contextmanager
+    def waiting(self, address: str) -> Iterator[None]:
+        """Count one socket from `address` while it waits; `busy` if that address already has `limit`."""
+        if self._waiting[address] >= self.limit:
+            raise ApiError("busy", f"{self.limit} sockets from this address are already waiting for their auth "
+                                   "frame (max_unauthenticated_sockets_per_address)")
+        self._waiting[address] += 1
+        try:
+            yield
+        finally:
+            self._waiting[address] -= 1
+            if not self._waiting[address]:
+                del self._waiting[address]
