@@ -1,7 +1,8 @@
 """`python -m tests.failing_runner FLAG chatcore-args...`: the real `chatcore` command, with a fault to inject.
 
-While the file FLAG exists, every model forward raises the error a broken device gives (as an
-illegal memory access does on CUDA); without it the runner computes as usual. The tests create
+While the file FLAG exists, every model forward raises: a `RuntimeError` (a step that fails), or,
+when FLAG holds the word `device`, the `torch.AcceleratorError` that CUDA raises for an illegal
+memory access (the device is lost). Without FLAG the runner computes as usual. The tests create
 and remove FLAG to break the engine at start (the warm-up) or later (a step), from outside.
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+
+import torch
 
 from chatcore.engine.runner import ModelRunner
 from chatcore.engine.scheduler import StepPlan
@@ -22,7 +25,7 @@ def main() -> int:
 
     def failing(self: ModelRunner, plan: StepPlan):  # type: ignore[no-untyped-def]
         if flag.exists():
-            raise RuntimeError(INJECTED)
+            raise (torch.AcceleratorError if flag.read_text() == "device" else RuntimeError)(INJECTED)
         return execute(self, plan)
 
     ModelRunner.execute = failing  # type: ignore[method-assign]

@@ -78,3 +78,20 @@ def test_a_failing_step_turns_readyz_to_503_with_its_cause_until_it_generates_ag
     finally:
         server.stop()
     assert "Traceback" in server.log()  # the failing step itself is logged with its stack, once per failure
+
+
+def test_a_lost_device_stops_the_server_with_its_own_exit_status(tmp_path: Path, default_model_dir: Path) -> None:
+    """CUDA's sticky errors (an illegal memory access) leave a context that fails every later call: the engine
+    stops, and the server exits 4 rather than stay up failing every request."""
+    flag = tmp_path / "broken"
+    server = start_server(tmp_path / "data", command=(*LAUNCHER, str(flag)))
+    try:
+        flag.write_text("device")
+        status, reply = server.request("POST", "/v1/chat/completions", {
+            **GREEDY, "max_tokens": 4, "messages": [{"role": "user", "content": "Say hello."}]})
+        assert status == 500, reply
+        assert server.proc.wait(timeout=60) == 4, server.log()
+    finally:
+        server.stop()
+    (line,) = [line for line in server.log().splitlines() if "the device failed" in line]
+    assert "CRITICAL" in line and f"AcceleratorError: {INJECTED}" in line, line

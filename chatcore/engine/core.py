@@ -94,6 +94,9 @@ class EngineCore:
         self.steps = 0
         # Why the last step that ran the model failed; None once one succeeds (readiness reads it).
         self.step_failure: str | None = None
+        # Set when the device itself failed (`torch.AcceleratorError`: an illegal memory access, a
+        # launch failure): its state is lost for good, and no later step may run.
+        self.device_lost: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -191,6 +194,8 @@ class EngineCore:
         except Exception as exc:  # a failed step fails its requests, never the engine
             log.exception("engine step failed")
             self.step_failure = describe_failure(exc)
+            if isinstance(exc, torch.AcceleratorError):
+                self.device_lost = self.step_failure
             for req in dict.fromkeys(e.req for e in entries):
                 req.fail(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", FinishReason.ERROR)
                 outputs[req.request_id] = self._finish(req)

@@ -93,6 +93,9 @@ class InferenceEngine:
         # Why the last step failed, set by the engine thread and cleared when a step computes again:
         # readiness reads it (chatcore/engine/warmup.py).
         self.failure: str | None = None
+        # Called once, on the engine thread, when the device failed for good (`EngineCore.device_lost`):
+        # the engine stops, and the server exits so that a supervisor restarts it.
+        self.on_device_lost: Callable[[str], None] | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings, loaded: LoadedModel | None = None,
@@ -134,6 +137,8 @@ class InferenceEngine:
                     computed = self.core.steps != before
                     if computed or self.core.step_failure is not None:  # a step that ran the model, or failed to
                         self.failure = self.core.step_failure
+                    if self.core.device_lost is not None:
+                        self._lose_device(self.core.device_lost)
                     self.preemptions = self.core.scheduler.preemptions
                     for out in outputs:
                         self._dispatch(out)
@@ -153,6 +158,14 @@ class InferenceEngine:
                 log.exception("engine command failed at shutdown")
         self._fail_all(EngineStopped("the engine is shutting down"))
         self.prefill_quiet.set()  # nothing will compute again: let the waiting writers go
+
+    def _lose_device(self, cause: str) -> None:
+        """Stop taking work (each later call gets `EngineStopped`), and tell the server."""
+        log.critical("engine: the device failed and its state is lost (%s); stopping", cause)
+        with self._submit_lock:
+            self._stopping = True
+        if self.on_device_lost is not None:
+            self.on_device_lost(cause)
 
     def _drain_commands(self) -> None:
         while True:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -82,8 +82,10 @@ def cors_config(allowed_origins: list[str]) -> CORSConfig | None:
                       expose_headers=CORS_EXPOSED_HEADERS)
 
 
-def create_app(settings: Settings, loaded: LoadedModel | None = None) -> Litestar:
-    """An app that starts its services (database, model, engine, sessions) in its lifespan."""
+def create_app(settings: Settings, loaded: LoadedModel | None = None,
+               on_device_lost: Callable[[str], None] | None = None) -> Litestar:
+    """An app that starts its services (database, model, engine, sessions) in its lifespan. `on_device_lost`:
+    called on the engine thread when the device failed for good (`chatcore serve` then exits)."""
 
     async def same_origin(request: Request[Any, Any, Any]) -> Response[Any] | None:
         """Cross-site requests from browsers (which always name their Origin on a POST, even a 'simple' one,
@@ -100,7 +102,7 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> Litesta
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        services = await Services.start(settings, loaded)
+        services = await Services.start(settings, loaded, on_device_lost)
         app.state.services = services
         app.state.auth = Authenticator(services)
         app.state.gauges = ops_routes.GaugeRefresher(services)

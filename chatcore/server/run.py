@@ -18,6 +18,9 @@ from chatcore.store.db import create_engine, create_sessionmaker
 from chatcore.store.repos import Repos
 
 log = logging.getLogger("chatcore")
+# The device failed while serving (an illegal memory access, a launch failure): the engine stopped, the
+# server shut down, and a supervisor should start a fresh process.
+EXIT_DEVICE_LOST = 4
 
 
 def _is_loopback(host: str) -> bool:
@@ -100,7 +103,13 @@ def serve_command(settings: Settings) -> int:
     from chatcore.server.connections import guarded_http_protocol
 
     # Loaded before anything binds: a model refused at load (models/support.py) is one line and exit 2.
-    app = create_app(settings, load_model(settings))
+    lost: list[str] = []
+
+    def device_lost(cause: str) -> None:  # on the engine thread: uvicorn's loop reads should_exit every tick
+        lost.append(cause)
+        server.should_exit = True
+
+    app = create_app(settings, load_model(settings), on_device_lost=device_lost)
     openmp.single_threaded()  # the event loop's thread: the engine's thread computes (chatcore/openmp.py)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             log_config=None,  # uvicorn's records go to the root logger's format
@@ -112,4 +121,6 @@ def serve_command(settings: Settings) -> int:
         logging.getLogger(name).addFilter(hygiene)
     server = uvicorn.Server(config)
     server.run()
+    if lost:
+        return EXIT_DEVICE_LOST
     return 0 if server.started else 3  # as uvicorn.run exits when start-up fails (the warm-up's failure too)

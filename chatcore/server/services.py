@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +57,8 @@ class Services:
     imports_running: int = 0  # POST /v1/sessions/import requests in flight (`max_concurrent_imports`)
 
     @classmethod
-    async def start(cls, settings: Settings, loaded: LoadedModel | None = None) -> Services:
+    async def start(cls, settings: Settings, loaded: LoadedModel | None = None,
+                    on_device_lost: Callable[[str], None] | None = None) -> Services:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         url = settings.resolved_database_url
         await migrate(url)
@@ -67,6 +69,7 @@ class Services:
         loaded = loaded or await asyncio.to_thread(load_model, settings)
         pins = PinRegistry(settings.hot_window_s)
         engine = await asyncio.to_thread(InferenceEngine.from_settings, settings, loaded, pins.reclaim)
+        engine.on_device_lost = on_device_lost
         try:
             await warm_up(engine)
         except NotReady as exc:
