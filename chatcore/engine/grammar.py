@@ -217,6 +217,8 @@ class Grammars:
 
 def _settle(future: asyncio.Future[xgrammar.CompiledGrammar], result: xgrammar.CompiledGrammar | Exception) -> None:
     """On the event loop. The error of a compile nobody waits for any more is taken here, unlogged."""
+    if future.done():  # cancelled as the loop shut down
+        return
     if isinstance(result, Exception):
         future.set_exception(result)
         future.exception()
