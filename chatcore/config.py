@@ -130,6 +130,18 @@ class Settings(BaseSettings):
         30, ge=1, description="hello and history frames a WebSocket may send a minute; past it: busy")
     history_page_messages: int = Field(
         100, ge=2, description="messages (whole exchanges) a session or history frame carries at most")
+    max_schema_bytes: int = Field(
+        32768, ge=64, description="a response_format (or required tool call) JSON schema's size as compact JSON, in "
+        "bytes, at most (the tools' parameters summed)")
+    max_schema_depth: int = Field(32, ge=2, description="a JSON schema's nesting depth (objects and arrays) at most")
+    max_schema_enum_values: int = Field(1000, ge=1, description="enum values in a JSON schema at most (all enums)")
+    grammar_compile_threads: int = Field(
+        4, ge=1, description="JSON schemas compiling into grammars at once at most, each on its own low-priority "
+        "thread; a tenant may use half of them; past either: busy")
+    grammar_compile_timeout_s: float = Field(
+        10.0, gt=0, description="a schema not compiled within this is refused (bad_request); its compile finishes "
+        "in the background, holding its thread")
+    grammar_cache_mb: int = Field(64, ge=0, description="compiled grammars kept for reuse, in MiB (0: none)")
     allowed_origins: list[str] = Field(default_factory=list, description="browser origins allowed besides the "
                                        "server's own, for HTTP (with CORS headers) and the WebSocket")
     allowed_hosts: list[str] = Field(default_factory=list, description="Host names open mode answers besides loopback")

@@ -134,6 +134,29 @@ async def test_a_required_call_is_valid_json_the_function_validates(client) -> N
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def nested_objects(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+@pytest.mark.parametrize(("parameters", "limit"), [
+    (nested_objects(300), "the parameters of tool 'deep' is nested more than 32 levels deep (max_schema_depth)"),
+    ({"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}}, "$ref"),
+    ({"type": "object", "properties": {"a": {"enum": [f"v{i}" for i in range(1001)]}}}, "max_schema_enum_values"),
+])
+async def test_a_required_call_whose_parameters_break_a_schema_limit_is_a_400(client, tiny_server, parameters,
+                                                                              limit) -> None:
+    tools = [*TOOLS, {"type": "function", "function": {"name": "deep", "parameters": parameters}}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], tools=tools,
+                                             tool_choice="required", max_tokens=4)
+    error = refused.value.response.json()["error"]
+    assert error["code"] == "bad_request" and error["message"].startswith("tools: ") and limit in error["message"]
+    assert tiny_server.services.engine.grammars.compiling == 0
+
+
 async def test_a_conversation_with_a_call_and_its_result_answers(client, tiny_server) -> None:
     call = {"id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 3})}}

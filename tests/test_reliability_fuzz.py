@@ -80,6 +80,22 @@ def surrogate_in(kind: str, base: dict[str, Any], name: str) -> st.SearchStrateg
     return surrogates.map(lambda s: dumps({**base, name: "x"})[:-1] + f', "{name}": "a{s}b"}}')
 
 
+def nested_schema(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+# `response_format`s over a static limit (issue 38): refused before anything compiles, never slow.
+hostile_formats = st.one_of(
+    st.integers(33, 400).map(nested_schema),  # deeper ones: the JSON encoder here would recurse too far
+    st.sampled_from(["http://evil.test/s.json", "file:///etc/passwd", "other.json", "#anchor"]).map(
+        lambda ref: {"type": "object", "properties": {"a": {"$ref": ref}}}),
+    st.integers(1001, 3000).map(lambda n: {"enum": list(range(n))}),
+).map(lambda schema: {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+
+
 def bad_hello() -> st.SearchStrategy[str]:
     base = {"type": "hello", "session_id": None, "resume_token": None, "last_seq": None}
     return st.one_of(
@@ -107,6 +123,7 @@ def bad_user() -> st.SearchStrategy[str]:
         st.tuples(st.just("seed"), st.integers(2**63) | st.integers(max_value=-(2**63) - 1) | st.floats()
                   | st.text(max_size=4)),
         st.tuples(st.just("n"), st.integers(max_value=0) | st.integers(9) | st.floats() | st.text(max_size=3)),
+        st.tuples(st.just("response_format"), hostile_formats),
         st.tuples(st.just("stop"), st.integers() | st.just("") | st.lists(st.text(max_size=3), min_size=5)
                   | st.lists(st.integers(), min_size=1, max_size=3) | st.text(min_size=65, max_size=80)),
         st.tuples(st.text(max_size=12).filter(lambda k: k not in {"max_tokens", "temperature", "top_p", "top_k",
@@ -330,6 +347,7 @@ http_bodies = st.one_of(
     st.dictionaries(st.sampled_from(["title", "system_prompt", "x"]), json_values, max_size=2)
     .map(lambda d: dumps(d).encode()),
     st.tuples(st.integers(1, 20_000), st.sampled_from(["list", "dict"])).map(lambda a: deep(*a).encode()),
+    hostile_formats.map(lambda fmt: dumps({**VALID_COMPLETION, "response_format": fmt}).encode()),
     st.integers(20, 6000).map(lambda n: ('{"messages": [{"role": "user", "content": "hi"}], "n": ' + "9" * n + "}")
                               .encode()),
     surrogates.map(lambda s: ('{"messages": [{"role": "user", "content": "a' + s + '"}], "max_tokens": 1}').encode()),
@@ -364,6 +382,13 @@ def test_fuzzed_http_bodies_on_every_route(fuzz_server, capsys, examples: int) -
     @example(route=("PATCH", "/v1/sessions/{sid}"), body=b'{"title": "a\\u0000"}', sid="{real}",
              content_type="application/json", session_header=None)
     @example(route=("GET", "/v1/sessions/{sid}"), body=b"", sid="a\0b", content_type="", session_header=None)
+    # Issue 38: int() of a 5,000-digit logit_bias key, and tool-call arguments nested 100,000 deep, were 500s.
+    @example(route=("POST", "/v1/chat/completions"), body=dumps({**VALID_COMPLETION, "logit_bias": {"9" * 5000: 1}})
+             .encode(), sid="x", content_type="application/json", session_header=None)
+    @example(route=("POST", "/v1/chat/completions"), body=dumps({"max_tokens": 1, "messages": [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {
+            "name": "f", "arguments": deep(100_000, "list")}}]}, *VALID_COMPLETION["messages"]]}).encode(),
+             sid="x", content_type="application/json", session_header=None)
     def fuzz(route: tuple[str, str], body: bytes, sid: str, content_type: str, session_header: str | None) -> None:
         method, path = route
         sid = created["id"] if sid == "{real}" else urllib.parse.quote(sid, safe="")

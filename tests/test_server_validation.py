@@ -97,6 +97,18 @@ def test_an_unknown_field_is_refused_by_name(live_server, method: str, path: str
      "messages[1].refusal is not supported by this server on assistant messages; leave it out"),
     ({"messages": [{"role": "user", "content": "hi", "mood": "happy"}]}, "bad_request",
      "messages[0]: Object contains unknown field `mood`"),
+    ({"stream": True, "stream_options": {"evil": 1}}, "bad_request",
+     "stream_options: Object contains unknown field `evil`"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f", "strict": True}}}, "bad_request",
+     "tool_choice.function: Object contains unknown field `strict`"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}, "extra": 1}}, "bad_request",
+     "tool_choice: Object contains unknown field `extra`"),
+    ({"logit_bias": {"9" * 5000: 1}}, "bad_request",
+     "logit_bias key '99999999999999999999'... is outside the vocabulary (0..49151)"),
+    ({"logit_bias": {"0" * 5000 + "7": 200}}, "bad_request", "logit_bias[7] must be in [-100.0, 100.0]"),
+    ({"messages": [*HI, {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+      "function": {"name": "f", "arguments": "[" * 100_000 + "]" * 100_000}}]}, *HI]}, "bad_request",
+     "the arguments of tool call 'f' must be a JSON object"),
 ])
 def test_a_bad_chat_completion_field_gets_the_documented_error_body(live_server, body: dict[str, Any], code: str,
                                                                      message: str) -> None:

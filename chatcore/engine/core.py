@@ -22,7 +22,7 @@ from chatcore.engine.beam import BeamSearch
 from chatcore.engine.choices import StepChoices
 from chatcore.engine.detok import IncrementalDetokenizer
 from chatcore.engine.errors import describe_failure
-from chatcore.engine.grammar import Grammars
+from chatcore.engine.grammar import CompilePolicy, Grammars
 from chatcore.engine.outputs import (
     CompletedSeq,
     RequestOutput,
@@ -89,7 +89,8 @@ class EngineCore:
         self._generators: dict[TokenSequence, torch.Generator] = {}
         self._beams: dict[str, BeamSearch] = {}
         self._penalties = Penalties(self.vocab_size, loaded.device)
-        self.grammars = Grammars(self.tokenizer, self.vocab_size, loaded.stop_token_ids)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, loaded.stop_token_ids, CompilePolicy(
+            settings.grammar_compile_threads, settings.grammar_compile_timeout_s, settings.grammar_cache_mb << 20))
         self.on_step: list[Callable[[StepPlan], None]] = []
         self.steps = 0
         # Why the last step that ran the model failed; None once one succeeds (readiness reads it).

@@ -9,23 +9,41 @@ Invariants:
 - a matcher lives exactly as long as its sequence (`admit`/`fork`, `release`).
 
 Compiling needs the tokenizer's vocabulary (built once, lazily: about half a second) and each
-schema once (cached); both happen on whichever thread asks first, so the server compiles a
-client's schema while validating it, and the engine thread finds it cached.
+schema once. The server compiles a client's schema with `compile_async`, on the compile pool, and
+the request carries the result (`ResponseFormat.compiled`) to the engine thread, which then never
+compiles a client's schema itself (`compile` there serves only callers of the engine alone).
+
+The compile pool (invariants):
+- a compile runs on its own (daemon) thread at once, or is refused (`GrammarBusy`): at most `threads` run,
+  and one owner (a tenant) holds at most half of them (at least one), so one tenant's schemas never
+  make another's wait. Nothing queues behind a slow compile;
+- its threads run at a lower CPU priority (nice 10 on Linux) than the engine and the event loop;
+- the same schema compiling already is awaited, not compiled twice, and takes no second thread;
+- a caller waits at most `timeout_s`, then gets `GrammarError`. xgrammar compiles in C++ and
+  cannot be interrupted: the compile runs on to its end in the background, and keeps its thread
+  (and its owner's share) until then, so the threads bound the compile work in flight, abandoned
+  or not. Its result lands in the cache, where a later request for the same schema finds it;
+- compiled grammars are cached by xgrammar within `cache_bytes` (least recently used first out).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import re
+import sys
 import threading
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 import xgrammar
 
-COMPILED_CACHE = 64
+from chatcore.engine.schema_limits import SchemaLimits
+
+COMPILE_NICE = 10  # compile threads' niceness: the engine thread and the event loop come first
 # xgrammar's messages start with a time and its C++ source position: "[16:42:47] /project/cpp/x.cc:94: ".
 SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*")
 
@@ -40,36 +58,107 @@ class ResponseFormat:
 
     kind: Literal["json_object", "json_schema", "tool_call"]
     schema: str | None = None  # the schema as canonical JSON text (sorted keys)
+    # The grammar compiled by `Grammars.compile_async`, carried to the engine thread with the request.
+    compiled: xgrammar.CompiledGrammar | None = field(default=None, compare=False, hash=False, repr=False)
 
 
 class GrammarError(ValueError):
-    """A schema the grammar compiler cannot turn into a grammar."""
+    """A schema the grammar compiler cannot turn into a grammar (or not within the time limit)."""
+
+
+class GrammarBusy(Exception):
+    """No compile thread is free for this owner right now: try again in a moment."""
+
+
+@dataclass(frozen=True, slots=True)
+class CompilePolicy:
+    threads: int = 1  # compiles running at once at most
+    timeout_s: float = 10.0  # how long a caller waits for its compile
+    cache_bytes: int = 64 << 20  # compiled grammars kept for reuse (0: none)
 
 
 class Grammars:
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int],
+                 policy: CompilePolicy = CompilePolicy()) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
+        self._policy = policy
         self._lock = threading.Lock()
         self._compiler: xgrammar.GrammarCompiler | None = None
-        self._compiled: OrderedDict[ResponseFormat, xgrammar.CompiledGrammar] = OrderedDict()
         self._matchers: dict[object, xgrammar.GrammarMatcher] = {}  # by sequence
+        # Compiles in flight (event loop only), each with its owner; finished ones leave at once.
+        self._running: dict[ResponseFormat, tuple[asyncio.Future[xgrammar.CompiledGrammar], str]] = {}
 
     def _get_compiler(self) -> xgrammar.GrammarCompiler:
         with self._lock:
             if self._compiler is None:
                 info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
                                                                stop_token_ids=self._stop_token_ids)
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+                cache_bytes = self._policy.cache_bytes
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=cache_bytes > 0,
+                                                          cache_limit_bytes=cache_bytes or -1)
             return self._compiler
 
+    async def compile_async(self, fmt: ResponseFormat, owner: str) -> ResponseFormat:
+        """`fmt` with its compiled grammar, compiled on the pool (see the module's invariants; call it on
+        the event loop). Raises `GrammarBusy` when `owner` may start no compile now, `GrammarError` for
+        a schema that cannot be used or did not compile within the time limit."""
+        if fmt.compiled is not None:
+            return fmt
+        running = self._running.get(fmt)
+        future = running[0] if running is not None else self._start(fmt, owner)
+        try:
+            compiled = await asyncio.wait_for(asyncio.shield(future), self._policy.timeout_s)
+        except TimeoutError:
+            raise GrammarError(f"the JSON schema did not compile within {self._policy.timeout_s:g} s (the limit, "
+                               "grammar_compile_timeout_s); simplify it (fewer or simpler patterns, smaller "
+                               "enums, less nesting)") from None
+        return replace(fmt, compiled=compiled)
+
+    def _start(self, fmt: ResponseFormat, owner: str) -> asyncio.Future[xgrammar.CompiledGrammar]:
+        threads = self._policy.threads
+        share = max(1, threads // 2)
+        if len(self._running) >= threads:
+            raise GrammarBusy(f"all {threads} grammar compile threads are busy; retry in a moment")
+        if Counter(o for _, o in self._running.values())[owner] >= share:
+            raise GrammarBusy(f"the tenant already compiles {share} response_format schemas at once (half the "
+                              "grammar_compile_threads); retry when one is done")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[xgrammar.CompiledGrammar] = loop.create_future()
+        self._running[fmt] = (future, owner)
+        future.add_done_callback(lambda _: self._running.pop(fmt))
+        # A daemon thread: a compile left running never holds up the process's exit.
+        threading.Thread(target=self._compile_into, args=(fmt, future, loop), name="chatcore-grammar",
+                         daemon=True).start()
+        return future
+
+    @property
+    def compiling(self) -> int:
+        """Compiles in flight, abandoned ones included (event loop only)."""
+        return len(self._running)
+
+    @property
+    def cache_size_bytes(self) -> int:
+        """What the cache of compiled grammars holds now (at most about `cache_bytes`)."""
+        compiler = self._compiler
+        return compiler.get_cache_size_bytes() if compiler is not None else 0
+
+    def _compile_into(self, fmt: ResponseFormat, future: asyncio.Future[xgrammar.CompiledGrammar],
+                      loop: asyncio.AbstractEventLoop) -> None:
+        """A compile thread's work: the result (or the error) goes to the event loop's future."""
+        _lower_priority()
+        try:
+            result: xgrammar.CompiledGrammar | Exception = self.compile(fmt)
+        except Exception as exc:  # handed to the waiting request, which reports it
+            result = exc
+        try:
+            loop.call_soon_threadsafe(_settle, future, result)
+        except RuntimeError:  # the loop is closed (the server stopped): nobody waits for it
+            pass
+
     def compile(self, fmt: ResponseFormat) -> xgrammar.CompiledGrammar:
-        with self._lock:
-            compiled = self._compiled.get(fmt)
-            if compiled is not None:
-                self._compiled.move_to_end(fmt)
-                return compiled
+        """Compile now, on this thread (or find it in the cache)."""
         compiler = self._get_compiler()
         try:
             if fmt.kind == "json_object":
@@ -87,15 +176,12 @@ class Grammars:
             lines = str(exc).strip().splitlines()
             reason = SOURCE_PREFIX.sub("", lines[0]) if lines else type(exc).__name__
             raise GrammarError(f"the JSON schema cannot be used: {reason}") from exc
-        with self._lock:
-            self._compiled[fmt] = compiled
-            while len(self._compiled) > COMPILED_CACHE:
-                self._compiled.popitem(last=False)
         return compiled
 
     # ----- sequences (engine thread) ------------------------------------------------------
     def admit(self, seq: object, fmt: ResponseFormat) -> None:
-        self._matchers[seq] = xgrammar.GrammarMatcher(self.compile(fmt))
+        compiled = fmt.compiled if fmt.compiled is not None else self.compile(fmt)
+        self._matchers[seq] = xgrammar.GrammarMatcher(compiled)
 
     def fork(self, parent: object, child: object) -> None:
         matcher = self._matchers.get(parent)
@@ -129,14 +215,34 @@ class Grammars:
         return matcher.is_terminated()
 
 
+def _settle(future: asyncio.Future[xgrammar.CompiledGrammar], result: xgrammar.CompiledGrammar | Exception) -> None:
+    """On the event loop. The error of a compile nobody waits for any more is taken here, unlogged."""
+    if future.done():  # cancelled as the loop shut down
+        return
+    if isinstance(result, Exception):
+        future.set_exception(result)
+        future.exception()
+    else:
+        future.set_result(result)
+
+
+def _lower_priority() -> None:
+    """Run this thread below the engine's priority. On Linux a thread's native id names that thread alone to
+    setpriority (elsewhere it could name another process: leave those alone)."""
+    if sys.platform == "linux":
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread, max(COMPILE_NICE, os.getpriority(os.PRIO_PROCESS, thread)))
+
+
 def _literal(text: str) -> xgrammar.Grammar:
     return xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
 
 
-def parse_response_format(raw: Any) -> ResponseFormat | None:
+def parse_response_format(raw: Any, limits: SchemaLimits | None = None) -> ResponseFormat | None:
     """OpenAI's `response_format`: {"type": "text"} (None), {"type": "json_object"}, or {"type":
     "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}. Raises
-    ValueError with a message a client can act on."""
+    ValueError with a message a client can act on; a client's schema is checked against `limits`
+    (None: a trusted caller, the engine alone)."""
     if raw is None:
         return None
     if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
@@ -164,4 +270,7 @@ def parse_response_format(raw: Any) -> ResponseFormat | None:
         return None
     if kind == "json_object":
         return ResponseFormat("json_object")
-    return ResponseFormat("json_schema", json.dumps(raw["json_schema"]["schema"], sort_keys=True))
+    schema = raw["json_schema"]["schema"]
+    if limits is not None:
+        limits.check([("response_format.json_schema.schema", schema)])
+    return ResponseFormat("json_schema", json.dumps(schema, sort_keys=True))

@@ -23,7 +23,7 @@ SystemPrompt = Annotated[str, Meta(max_length=MAX_SYSTEM_PROMPT)]
 Role = Literal["system", "user", "assistant", "developer", "tool"]
 
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
@@ -44,11 +44,11 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     annotations: list[dict[str, Any]] | None = None
 
 
-class FunctionName(msgspec.Struct):
+class FunctionName(msgspec.Struct, forbid_unknown_fields=True):
     name: str
 
 
-class NamedToolChoice(msgspec.Struct):
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
     type: Literal["function"]
     function: FunctionName
 

@@ -92,11 +92,13 @@ def _validation_message(exc: HTTPException) -> str:
     return details or str(exc.detail)
 
 
-def recursion_error_handler(request: Request, exc: RecursionError) -> Response[dict[str, dict[str, str]]]:
-    """A JSON body nested deeper than the decoder's recursion limit is the client's error, not ours."""
+def recursion_error_handler(_: Request, exc: RecursionError) -> Response[dict[str, dict[str, str]]]:
+    """Input nested deeper than a decoder's (or a renderer's) recursion limit is the client's error, not
+    ours: a JSON body, or JSON text inside one (tool call arguments). Logged, without the client's data."""
     if "deserializ" in str(exc):
         return _body("bad_request", "the JSON body is nested too deeply", 400)
-    return internal_error_handler(request, exc)
+    log.warning("a request failed with RecursionError (%s): answered 400", exc)
+    return _body("bad_request", "the request holds data nested too deeply", 400)
 
 
 def internal_error_handler(_: Request, exc: Exception) -> Response[dict[str, dict[str, str]]]:

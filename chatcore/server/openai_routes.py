@@ -27,7 +27,7 @@ from chatcore.outcomes import FinishReason
 from chatcore.server.auth import Principal
 from chatcore.server.bodies import ChatCompletionRequest, ChatMessage
 from chatcore.server.errors import ApiError
-from chatcore.server.params import compile_response_format, sampling_params
+from chatcore.server.params import compile_response_format, sampling_params, schema_limits
 from chatcore.server.services import Services
 from chatcore.server.tools import Tools, parse_tools, read_calls
 from chatcore.turnlog import log_turn
@@ -70,7 +70,7 @@ def _tool_calls(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise ApiError("bad_request", "each tool call needs a function with a name and its arguments as a string")
         try:
             arguments = json.loads(fn["arguments"])
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the decoder goes
             arguments = None
         if not isinstance(arguments, dict):
             raise ApiError("bad_request", f"the arguments of tool call {fn['name']!r} must be a JSON object")
@@ -164,17 +164,19 @@ def message(text: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
 async def engine_events(services: Services, principal_tenant: str, prompt_of: Callable[[], list[int]],
                         params: SamplingParams, max_tokens_given: bool = True) -> AsyncIterator[tuple[str, Any]]:
     """Stateless: ('delta', (index, text, logprobs or None)) events, then ('done', (reasons, usage
-    triple)). `prompt_of` gives the prompt's token ids, on the tokenizer thread. A default
-    `max_tokens` (not `max_tokens_given`) shrinks to the context the prompt leaves."""
+    triple)). `prompt_of` gives the prompt's token ids, on the tokenizer thread; `params`' grammar is
+    compiled here, within the tenant's slot. A default `max_tokens` (not `max_tokens_given`) shrinks
+    to the context the prompt leaves."""
     engine = services.engine
     active = services.sessions.active_turns  # the same per-tenant bound as session turns
     limit = services.settings.max_turns_per_tenant
     if active[principal_tenant] >= limit:
         raise ApiError("busy", f"the tenant already runs {limit} requests")
-    active[principal_tenant] += 1  # before the first await: tokenizing counts against the bound too
+    active[principal_tenant] += 1  # before the first await: tokenizing and compiling count against the bound too
     final: RequestOutput | None = None
     try:
         prompt = await services.sessions.tokenize(prompt_of)
+        params = await compile_response_format(engine.grammars, params, principal_tenant)
         context = engine.max_context
         if not max_tokens_given and len(prompt) < context:
             params = replace(params, max_tokens=min(params.max_tokens, context - len(prompt)))
@@ -258,12 +260,11 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
                              max_tokens=max_tokens, logprobs=bool(data.logprobs), top_logprobs=data.top_logprobs or 0,
                              default_temperature=1.0, default_max_tokens=512)
     tools = _tools(services, data, messages)
-    if tools is not None and tools.grammar() is not None:
+    call_format = tools.grammar(schema_limits(services.settings)) if tools is not None else None
+    if call_format is not None:
         if params.response_format is not None:
             raise ApiError("bad_request", "response_format cannot be combined with a required tool call")
-        params = replace(params, response_format=tools.grammar())
-    grammars = services.engine.grammars
-    await compile_response_format(grammars, params.response_format, services.sessions.tokenize)
+        params = replace(params, response_format=call_format)
     session_id = request.headers.get("x-session-id")
     if session_id:
         if params.logprobs:

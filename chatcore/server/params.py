@@ -3,7 +3,7 @@ translation into `SamplingParams`, with messages a client can act on."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Annotated, Any
 
 import msgspec
@@ -11,12 +11,13 @@ from msgspec import Meta
 
 from chatcore.config import Settings
 from chatcore.engine.grammar import (
+    GrammarBusy,
     GrammarError,
     Grammars,
-    ResponseFormat,
     parse_response_format,
 )
 from chatcore.engine.request import MAX_TOP_LOGPROBS, SamplingParams
+from chatcore.engine.schema_limits import SchemaLimits
 from chatcore.server.errors import ApiError
 
 MAX_N = 8
@@ -62,15 +63,20 @@ def parse_logit_bias(value: dict[str, float] | None, vocab_size: int) -> tuple[t
     if value is None:
         return ()
     pairs = []
+    digits = len(str(vocab_size - 1))
     for key, bias in value.items():
         if not (key.isascii() and key.isdigit()):
-            raise ApiError("bad_request", f"logit_bias key {key!r} is not a token id")
-        token = int(key)
+            raise ApiError("bad_request", f"logit_bias key {key[:20]!r} is not a token id")
+        significant = key.lstrip("0") or "0"
+        if len(significant) > digits:  # checked before int(), which refuses strings of over 4,300 digits
+            raise ApiError("bad_request", f"logit_bias key {key[:20]!r}... is outside the vocabulary "
+                                          f"(0..{vocab_size - 1})")
+        token = int(significant)
         if token >= vocab_size:
             raise ApiError("bad_request", f"logit_bias token id {token} is outside the vocabulary "
                                           f"(0..{vocab_size - 1})")
         if not -100.0 <= bias <= 100.0:
-            raise ApiError("bad_request", f"logit_bias[{key}] must be in [-100.0, 100.0]")
+            raise ApiError("bad_request", f"logit_bias[{token}] must be in [-100.0, 100.0]")
         pairs.append((token, float(bias)))
     return tuple(sorted(pairs))
 
@@ -91,7 +97,7 @@ def sampling_params(fields: Sampling, settings: Settings, *, vocab_size: int, ma
     penalties = {name: value for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
                  if (value := getattr(fields, name)) is not None}
     try:
-        response_format = parse_response_format(fields.response_format)
+        response_format = parse_response_format(fields.response_format, schema_limits(settings))
     except ValueError as exc:
         raise ApiError("bad_request", str(exc)) from exc
     return SamplingParams(
@@ -103,18 +109,21 @@ def sampling_params(fields: Sampling, settings: Settings, *, vocab_size: int, ma
         logprobs=logprobs, top_logprobs=top_logprobs, response_format=response_format, **penalties)
 
 
-async def compile_response_format(grammars: Grammars, fmt: ResponseFormat | None,
-                                  tokenize: Callable[[Callable[[], None]], Awaitable[None]]) -> None:
-    """Compile a request's grammar now, on the tokenizer thread (the first one builds the vocabulary's
-    tables), so that a schema the compiler cannot use is a 400, not a failed turn. A request without
-    one never waits for that thread."""
-    if fmt is None:
-        return
+def schema_limits(settings: Settings) -> SchemaLimits:
+    return SchemaLimits(settings.max_schema_bytes, settings.max_schema_depth, settings.max_schema_enum_values)
 
-    def work() -> None:
-        try:
-            grammars.compile(fmt)
-        except GrammarError as exc:
-            raise ApiError("bad_request", f"response_format: {exc}") from exc
 
-    await tokenize(work)
+async def compile_response_format(grammars: Grammars, params: SamplingParams, tenant_id: str) -> SamplingParams:
+    """`params` with its grammar compiled (on the compile pool: chatcore/engine/grammar.py), so that a
+    schema the compiler cannot use is a 400, not a failed turn. Called once the request holds its
+    tenant's turn slot: a compile counts against `max_turns_per_tenant`. A request without a
+    `response_format` never waits."""
+    if params.response_format is None:
+        return params
+    try:
+        compiled = await grammars.compile_async(params.response_format, tenant_id)
+    except GrammarError as exc:
+        raise ApiError("bad_request", f"response_format: {exc}") from exc
+    except GrammarBusy as exc:
+        raise ApiError("busy", str(exc)) from exc
+    return replace(params, response_format=compiled)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chatcore.engine.grammar import ResponseFormat
+from chatcore.engine.schema_limits import SchemaLimits, SchemaTooComplex
 from chatcore.outcomes import FinishReason
 from chatcore.server.bodies import ChatCompletionRequest, NamedToolChoice
 from chatcore.server.errors import ApiError
@@ -46,11 +47,16 @@ class Tools:
     def for_template(self) -> list[dict[str, Any]]:
         return [{"type": "function", "function": f} for f in self.functions]
 
-    def grammar(self) -> ResponseFormat | None:
-        """The constraint of `required` or a named choice: one call of an allowed function."""
+    def grammar(self, limits: SchemaLimits) -> ResponseFormat | None:
+        """The constraint of `required` or a named choice: one call of an allowed function (whose
+        `parameters` schemas must keep within `limits`, together)."""
         if self.choice in ("auto", "none"):
             return None
         allowed = [f for f in self.functions if self.choice == "required" or f["name"] == self.choice]
+        try:
+            limits.check([(f"the parameters of tool {f['name']!r}", f.get("parameters") or {}) for f in allowed])
+        except SchemaTooComplex as exc:
+            raise ApiError("bad_request", f"tools: {exc}") from exc
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                   "properties": {"name": {"const": f["name"]},
                                  "arguments": f.get("parameters") or {"type": "object"}}} for f in allowed]

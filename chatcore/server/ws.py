@@ -42,7 +42,7 @@ from chatcore.server.frames import (
     decode_frame,
 )
 from chatcore.server.history import HistoryReads, page_fields
-from chatcore.server.params import compile_response_format, sampling_params
+from chatcore.server.params import sampling_params
 from chatcore.server.services import Services
 from chatcore.sessions.manager import SessionError
 from chatcore.sessions.state import SessionState
@@ -253,8 +253,6 @@ class Connection:
                                  max_tokens=fields.max_tokens, logprobs=bool(fields.logprobs),
                                  top_logprobs=fields.top_logprobs or 0, default_max_tokens=256,
                                  default_temperature=0.7)
-        grammars = services.engine.grammars
-        await compile_response_format(grammars, params.response_format, services.sessions.tokenize)
         # An idle session may have gone cold (dropped from memory) while this socket stayed attached:
         # run the turn on the session's live state, never on the old object (that would fork the session).
         state = await self.services.sessions.open(self.principal.tenant_id, state.id)

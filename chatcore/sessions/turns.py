@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING
 
 from chatcore.cache import chain_hashes
 from chatcore.engine.errors import QueueFull, RequestRejected
+from chatcore.engine.grammar import GrammarBusy, GrammarError
 from chatcore.engine.outputs import RequestOutput
 from chatcore.engine.request import Request, SamplingParams
 from chatcore.engine.token_logprobs import chat_content
 from chatcore.outcomes import ErrorCode, FinishReason
 from chatcore.sessions.frames import TurnFrames
 from chatcore.sessions.leases import LeaseLost
-from chatcore.sessions.manager import Busy, Conflict, TooLarge
+from chatcore.sessions.manager import Busy, Conflict, SessionError, TooLarge
 from chatcore.sessions.report import done_frame
 from chatcore.sessions.state import HISTORY_REASONS, SessionState
 from chatcore.sessions.window import Window, next_prompt
@@ -94,6 +95,7 @@ class TurnRunner:
         await self.sessions.hold(state)  # the lease: this replica alone runs the session's turns
         context = self.engine.max_context
         window = await self.sessions.tokenize(lambda: self._prompt(state, content, params.max_tokens, context))
+        params = await self._compile(params, state.tenant_id)
         prompt, added = window.prompt, window.added
         if not max_tokens_given and len(prompt) < context:
             params = replace(params, max_tokens=min(params.max_tokens, context - len(prompt)))
@@ -120,6 +122,18 @@ class TurnRunner:
         state.running = asyncio.create_task(
             self._run(state, frames, req, content, window, assistant.id), name=f"turn-{state.id}")
         return frames
+
+    async def _compile(self, params: SamplingParams, tenant_id: str) -> SamplingParams:
+        """`params` with its grammar compiled (chatcore/engine/grammar.py), within the tenant's turn slot."""
+        if params.response_format is None:
+            return params
+        try:
+            compiled = await self.engine.grammars.compile_async(params.response_format, tenant_id)
+        except GrammarError as exc:
+            raise SessionError(f"response_format: {exc}") from exc
+        except GrammarBusy as exc:
+            raise Busy(str(exc)) from exc
+        return replace(params, response_format=compiled)
 
     def _prompt(self, state: SessionState, content: str, max_tokens: int, context: int) -> Window:
         """On the tokenizer thread: the turn's prompt within the context (`chatcore.sessions.window`);
