@@ -54,8 +54,10 @@ async def test_a_socket_taken_over_mid_frame_starts_no_turn(tmp_path, loaded_fp3
 async def test_a_client_that_never_reads_is_closed_before_its_frames_pile_up(tmp_path, loaded_fp32) -> None:
     """Each resume answers with the whole history (~15 KB here). A client that resumes 1,000 times
     and reads nothing would have the server hold 15 MB for it: past the kernel's socket buffers
-    and a bound of its own, the server drops what it queued and closes with 1008."""
-    settings = Settings(data_dir=tmp_path, dtype="float32", num_blocks=256, kv_disk_gb=0)
+    and a bound of its own, the server drops what it queued and closes with 1008. (`hello` is rate-limited
+    per socket too, which would answer most of them with a small `busy`: lifted here, to reach the bound.)"""
+    settings = Settings(data_dir=tmp_path, dtype="float32", num_blocks=256, kv_disk_gb=0,
+                        max_history_reads_per_minute=100_000)
     async with serve(settings, loaded_fp32) as server:
         async with server.connect() as ws:
             session = await hello(ws)
