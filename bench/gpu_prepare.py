@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # What the engine path (chatcore.config, the engine, the models, xgrammar for response formats) imports
 # beyond the image's packages. typing-extensions is there, but pydantic needs a newer one than torch brought.
 CARRIED = ("pydantic", "pydantic-core", "pydantic-settings", "annotated-types", "typing-inspection",
-           "python-dotenv", "typing-extensions", "xgrammar", "apache-tvm-ffi")
+           "python-dotenv", "typing-extensions", "xgrammar", "apache-tvm-ffi", "msgspec")
 PYTHON_VERSION = "3.12"
 # pip matches manylinux tags exactly: every glibc level a wheel of these packages was seen built for.
 PLATFORMS = ("manylinux1_x86_64", "manylinux2014_x86_64",
