@@ -50,6 +50,8 @@ class Settings(BaseSettings):
     kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="KV cache storage dtype; auto: the model's dtype (exact)")
     threads: int = Field(0, description="torch threads; 0 keeps torch's default")
+    cuda_graphs: bool = Field(True, description="on CUDA: capture the decode step as CUDA graphs at start, one per "
+                              "batch size up to max_num_seqs (prefill runs eagerly)")
 
     # KV cache.
     block_size: int = Field(16, ge=1, description="tokens per KV block")

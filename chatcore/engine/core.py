@@ -84,6 +84,8 @@ class EngineCore:
                                    max_context=min(loaded.max_context, settings.max_context or loaded.max_context),
                                    max_waiting=settings.max_waiting_requests)
         self.runner = ModelRunner(loaded, self.kv)
+        if loaded.device.type == "cuda" and settings.cuda_graphs:
+            self.runner.enable_decode_graphs(limits.max_num_seqs, self.scheduler.max_context, capture=True)
         self.requests: dict[str, Request] = {}
         self._detok: dict[TokenSequence, IncrementalDetokenizer] = {}
         self._generators: dict[TokenSequence, torch.Generator] = {}

@@ -11,18 +11,27 @@ All of the step's integer metadata (block copies, token ids, positions, slots, s
 block tables, context lengths) is packed on the host into one int32
 array and crosses to the device in one upload (`StepTransfers`); the tensors the model and the
 kernels take are views and casts of it made on the device.
+
+A decode-only step replays a captured graph instead, when `enable_decode_graphs` captured them
+(on CUDA, at start: chatcore/engine/decode_graphs.py); its upload then holds the block copies and
+the graph's static input buffer, padded to the captured size.
 """
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
+from chatcore.engine.decode_graphs import DecodeGraphs, host_layout
 from chatcore.engine.scheduler import ScheduledSeq, StepPlan
 from chatcore.engine.transfers import StepTransfers
 from chatcore.kv.tensors import KVTensors
 from chatcore.models.loader import LoadedModel
 from chatcore.models.paged_attention import PrefillMeta, StepMeta
+
+log = logging.getLogger(__name__)
 
 
 def _block_tables(entries: list[ScheduledSeq], width: int) -> np.ndarray:
@@ -62,12 +71,37 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.device = loaded.device
         self.transfers = StepTransfers(loaded.device)
+        self.graphs: DecodeGraphs | None = None
+
+    def enable_decode_graphs(self, max_num_seqs: int, max_context: int, *, capture: bool) -> None:
+        """Capture the decode forward for every batch size up to `max_num_seqs` (`capture=False`: the same
+        buffers, run eagerly; for tests on the CPU). A capture that fails leaves decode steps eager."""
+        width = -(-max_context // self.block_size)
+        graphs = DecodeGraphs(self._decode_forward, self.kv, max_num_seqs, width, capture=capture)
+        try:
+            with torch.inference_mode():
+                seconds = graphs.capture_all()
+        except Exception:  # the eager path still serves; the operator learns why from the log
+            log.warning("decode graphs could not be captured; decode steps run eagerly", exc_info=True)
+            return
+        self.graphs = graphs
+        log.info("decode graphs: %d batch sizes up to %d captured in %.2f s", len(graphs.sizes), graphs.max_size,
+                 seconds)
+
+    def _decode_forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+        """Every row's logits: the graph's forward (a decode row always samples)."""
+        out = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=0, chatcore_step=meta)
+        return out.logits[0].float()
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Run the step; returns float32 logits on the device for each entry that samples, in plan order."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # per thread: Triton launches on the current device
+        graphs = self.graphs
+        size = graphs.size_for(len(plan.decode)) if graphs is not None and plan.decode and not plan.prefill else None
+        if size is not None and max(e.start for e in plan.decode) < graphs.width * self.block_size:  # type: ignore[union-attr]
+            return self._replay(plan, size)
         bs = self.block_size
         pack = _Packer()
         copies = plan.copies
@@ -114,3 +148,20 @@ class ModelRunner:
         out = self.model(input_ids=long(ids_at).unsqueeze(0), position_ids=long(positions_at).unsqueeze(0),
                          use_cache=False, logits_to_keep=long(rows_at), chatcore_step=meta)
         return out.logits[0].float()
+
+    def _replay(self, plan: StepPlan, size: int) -> torch.Tensor:
+        """A decode-only step through the graph of `size` rows: one upload, the block copies, one replay."""
+        assert self.graphs is not None
+        decode = plan.decode
+        pack = _Packer()
+        copies = plan.copies
+        copy_src = pack.add([c[0] for c in copies])
+        copy_dst = pack.add([c[1] for c in copies])
+        width = max(-(-(e.start + 1) // self.block_size) for e in decode)
+        layout = pack.add(host_layout(size, self.graphs.width, [e.seq.tokens[e.start] for e in decode],
+                                      [e.start for e in decode], [e.slots[0] for e in decode],
+                                      [e.start + 1 for e in decode], _block_tables(decode, width)))
+        values = self.transfers.upload(pack.packed())
+        if copies:
+            self.kv.copy_blocks(pack.take(values, copy_src).long(), pack.take(values, copy_dst).long())
+        return self.graphs.replay(size, pack.take(values, layout), len(decode))
