@@ -3,8 +3,12 @@
 Two figures, both per decode step with every chat decoding (no prompt in the step):
 - `gpu_busy_share`: the device's kernel time (the sum of the CUDA kernels' own time) over the step's wall
   time, timed without the profiler; a step bound by the host (Python, launches) has a small share;
-- `launches_per_decode_step`: the CUDA kernels the step launches (events of device type CUDA).
-On the CPU there are no device kernels: both are None and `note` says so (the rehearsal runs the code).
+- `launches_per_decode_step`: what the host launches a step, counted at the CUDA runtime and driver
+  calls (`LAUNCH_CALLS`: kernels, graph replays, asynchronous copies and sets): a replayed graph is one;
+- `kernels_per_decode_step` (beside the summary): the CUDA kernels the device runs a step, a graph's
+  included (events of device type CUDA). Before 2026-12-04's second run the summary's
+  `launches_per_decode_step` held this figure.
+On the CPU there are no device kernels: all are None and `note` says so (the rehearsal runs the code).
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from chatcore.engine.core import EngineCore
+
+
+LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                          "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync"})
 
 
 def _is_device_event(event: Any) -> bool:
@@ -61,12 +69,13 @@ def decode_profile(core: EngineCore, device: torch.device, warm_steps: int, step
     kernels = [e for e in prof.key_averages() if _is_device_event(e)]
     result: dict[str, Any] = {"chats": chats, "prefill_steps": prefill_steps, "step_ms": step_ms, "steps": steps}
     if device.type != "cuda":
-        return result | {"gpu_busy_share": None, "launches_per_decode_step": None,
+        return result | {"gpu_busy_share": None, "launches_per_decode_step": None, "kernels_per_decode_step": None,
                          "note": "no CUDA kernels on the CPU: the step time only"}
     busy_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
     top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:10]
     return result | {
         "gpu_busy_ms": busy_ms, "gpu_busy_share": busy_ms / step_ms,
-        "launches_per_decode_step": sum(e.count for e in kernels) / steps,
+        "launches_per_decode_step": sum(e.count for e in prof.key_averages() if e.key in LAUNCH_CALLS) / steps,
+        "kernels_per_decode_step": sum(e.count for e in kernels) / steps,
         "top_kernels": [{"name": e.key[:80], "per_step": e.count / steps,
                          "us_per_step": e.self_device_time_total / steps} for e in top]}
