@@ -32,6 +32,9 @@ class RequestState(enum.Enum):
     FINISHED = "finished"
 
 
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 128
@@ -93,7 +96,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Below `GREEDY_TEMPERATURE` sampling is greedy: logits divided by a smaller temperature overflow
+        float32 (inf, then NaN probabilities), and the distribution is one token anyway."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def num_sequences(self) -> int:

@@ -33,6 +33,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
         # Keep the smallest set whose mass reaches top_p: drop a token once the mass before it does.
         drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= params.top_p
+        drop_sorted[0] = False  # the likeliest token stays, whatever top_p (one below float32's range is 0 here)
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return scaled
