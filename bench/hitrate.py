@@ -42,7 +42,7 @@ def block_cost(depth: int, block_size: int, attention_ratio: float) -> float:
 
     Recomputing a token at position p costs linear FLOPs (2 x parameters) plus attention FLOPs
     growing with p; `attention_ratio` is the attention FLOPs per position over the linear FLOPs
-    per token, from the loaded model (`chatcore.engine.core.depth_cost(loaded, 1)`)."""
+    per token, from the loaded model (`chatcore.engine.pool_sizing.depth_cost(loaded, 1)`)."""
     mid = depth * block_size + block_size / 2
     return block_size * (1 + attention_ratio * mid)
 
@@ -212,7 +212,7 @@ def trace_config(ctx: Context) -> TraceConfig:
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    from chatcore.engine.core import depth_cost
+    from chatcore.engine.pool_sizing import depth_cost
 
     trace = generate(trace_config(ctx))
     bs = ctx.settings.block_size

@@ -99,7 +99,7 @@ def run(ctx: Context) -> dict[str, Any]:
 
     with ThreadPoolExecutor(1) as pool:  # the server loads its model while this process builds its engine
         starting = pool.submit(live.start, ctx, root, kv_disk_gb=0)
-        engine = InferenceEngine.from_settings(ctx.engine_settings(kv_cache_gb=1.0), ctx.loaded)
+        engine = InferenceEngine.launch(ctx.engine_settings(kv_cache_gb=1.0), ctx.loaded)
         try:
             server = starting.result()
         except Exception:

@@ -39,7 +39,7 @@ from chatcore.bench import live
 from chatcore.bench.common import Context, median, quantile, target
 from chatcore.bench.replay import Request, replay
 from chatcore.bench.workload import TOKEN_HI, TOKEN_LO, text_of_tokens
-from chatcore.engine.core import depth_cost, kv_storage_dtype
+from chatcore.engine.pool_sizing import depth_cost, kv_storage_dtype
 from chatcore.sessions.template import ChatTemplate
 
 OVERFLOW = 1.5

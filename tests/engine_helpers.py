@@ -73,3 +73,9 @@ def hf_beam(model: Any, prompt: list[int], max_new_tokens: int, width: int, eos:
 def add_all(core: EngineCore, requests: list[Request]) -> None:
     for req in requests:
         core.add(req)
+
+
+async def on_engine_thread(engine: Any, fn: Any) -> Any:
+    """White-box tests only: `fn(core)` on the engine thread, between two steps. The engine's door has
+    no such call (callers send commands); tests that look inside the pool use this."""
+    return await engine._run_on_thread(lambda: fn(engine._core))

@@ -16,6 +16,7 @@ from litestar import Litestar
 
 from chatcore.cache.audit import audit
 from chatcore.config import Settings
+from chatcore.engine.commands import Audit
 from chatcore.engine.engine import EngineStopped
 from chatcore.models.loader import LoadedModel
 from chatcore.server.app import create_app
@@ -49,9 +50,9 @@ async def serve(settings: Settings, loaded: LoadedModel) -> AsyncIterator[InProc
         yield InProcessServer(app, listener.getsockname()[1])
         engine = app.state.services.engine
         try:
-            report = await engine.call(lambda core: audit(core.pool))
+            report = await engine.send(Audit())
         except EngineStopped:  # the test stopped it: nothing touches the pool any more
-            report = audit(engine.core.pool)
+            report = audit(engine._core.pool)
         assert report.ok, report.format()  # every block accounted for, whatever the test did
     finally:
         server.should_exit = True

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 import openai
 import pytest
 
-from chatcore.cache.audit import audit
 from chatcore.config import Settings
+from chatcore.engine.commands import Audit
 from tests.inprocess_server import InProcessServer, serve
 
 
@@ -28,5 +28,5 @@ async def client(server: InProcessServer) -> AsyncIterator[openai.AsyncOpenAI]:
     async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="anything",
                                   max_retries=0, timeout=120) as api:
         yield api
-    report = await server.services.engine.call(lambda core: audit(core.pool))
+    report = await server.services.engine.send(Audit())
     assert report.ok, report.format()

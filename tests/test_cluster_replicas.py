@@ -15,8 +15,8 @@ import torch
 from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from chatcore.cache import audit
 from chatcore.config import Settings
+from chatcore.engine.commands import Audit
 from chatcore.engine.request import SamplingParams
 from chatcore.server.services import Services
 from chatcore.sessions.disk_tier import DiskTier
@@ -111,7 +111,7 @@ async def replicas(database_url: str, tmp_path: Path, loaded_fp32):  # type: ign
         started.append(await Services.start(settings, loaded_fp32))
     yield started
     for services in started:
-        report = await services.engine.call(lambda core: audit(core.pool))
+        report = await services.engine.send(Audit())
         assert report.ok, report.format()
         await services.stop()
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from chatcore.cache import audit
+from chatcore.engine.commands import Audit, SessionPrefix
 from chatcore.engine.engine import EngineStopped, InferenceEngine
-from chatcore.engine.errors import RequestRejected
+from chatcore.engine.errors import PrefixOnDisk, RequestRejected
 from chatcore.engine.request import RequestState, SamplingParams
 from tests.engine_helpers import LONG_SYSTEM, QUESTIONS, chat_ids, run_to_end
 
@@ -178,7 +179,7 @@ async def test_async_engine_streams_and_cancels(make_core, loaded_fp32) -> None:
             async for out in stream:
                 if out.deltas:
                     break
-        assert await engine.call(lambda core: _wait_idle(core))
+        assert (await engine.send(Audit())).used == 0 and not engine._core.requests  # the abort ran first
 
         # A stream consumer cancelled mid-flight aborts too.
         task_req = engine.make_request(engine.chat_prompt([{"role": "user", "content": QUESTIONS[2]}]),
@@ -194,7 +195,7 @@ async def test_async_engine_streams_and_cancels(make_core, loaded_fp32) -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert await engine.call(lambda core: _wait_idle(core))
+        assert (await engine.send(Audit())).used == 0 and not engine._core.requests  # the abort ran first
 
         with pytest.raises(RequestRejected):
             async for _ in engine.generate(engine.make_request([], SamplingParams())):
@@ -206,9 +207,10 @@ async def test_async_engine_streams_and_cancels(make_core, loaded_fp32) -> None:
 async def test_prefill_quiet_is_clear_until_the_first_token(make_core, loaded_fp32) -> None:
     """The disk tier's writer waits on `prefill_quiet`: it is clear at every step that computes
     a prompt, and set once every request has its first token."""
-    engine = InferenceEngine(make_core(max_batch_tokens=16))
+    core = make_core(max_batch_tokens=16)
+    engine = InferenceEngine(core)
     seen: list[tuple[bool, bool]] = []  # per step: computed prompt tokens, the gate as the step ran
-    engine.core.on_step.append(lambda plan: seen.append((bool(plan.prefill), engine.prefill_quiet.is_set())))
+    core.on_step.append(lambda plan: seen.append((bool(plan.prefill), engine.prefill_quiet.is_set())))
     engine.start()
     try:
         req = engine.make_request(chat_ids(loaded_fp32.tokenizer, QUESTIONS[0], LONG_SYSTEM),
@@ -225,43 +227,31 @@ async def test_prefill_quiet_is_clear_until_the_first_token(make_core, loaded_fp
     assert len(decode) == 5 and all(decode)
 
 
-async def test_admit_runs_with_the_add_on_the_engine_thread_and_may_decline(make_core, loaded_fp32) -> None:
-    """`generate`'s `admit` (the sessions attach a pinned prefix with it) runs on the engine thread
-    in the command that adds the request: no step runs between the two."""
-    engine = InferenceEngine(make_core())
+async def test_a_session_prefix_is_prepared_with_the_add_and_may_decline(make_core, loaded_fp32) -> None:
+    """A session turn's prefix is prepared on the engine thread in the command that adds the request:
+    with a disk tier and the pool short of the prompt's blocks it declines (`PrefixOnDisk`), keeping
+    nothing; with the blocks read back it is added, and its prefill is the engine's next step."""
+    core = make_core()
+    engine = InferenceEngine(core)
     first_step: dict[str, int] = {}
-
-    def record(plan) -> None:
-        for entry in plan.prefill:
-            first_step.setdefault(entry.req.request_id, engine.core.steps)
-
-    engine.core.on_step.append(record)
+    core.on_step.append(lambda plan: [first_step.setdefault(e.req.request_id, core.steps) for e in plan.prefill])
     engine.start()
     try:
         prompt = engine.chat_prompt([{"role": "user", "content": QUESTIONS[0]}])
         declined = engine.make_request(prompt, SamplingParams(max_tokens=2))
-        where: list[str] = []
-
-        def decline() -> bool:
-            where.append(threading.current_thread().name)
-            return False
-
-        outs = [out async for out in engine.generate(declined, decline)]
-        assert outs == [] and where == ["chatcore-engine"]
-        assert await engine.call(lambda core: declined.request_id not in core.requests and audit(core.pool).used == 0)
+        prefix = SessionPrefix("s1", disk_tier=True)
+        with pytest.raises(PrefixOnDisk) as raised:
+            async for _ in engine.generate(declined, prefix):
+                pass
+        assert raised.value.device_blocks == 0
+        assert (await engine.send(Audit())).used == 0 and declined.request_id not in engine._core.requests
 
         admitted = engine.make_request(prompt, SamplingParams(max_tokens=2))
-        at_admit: list[int] = []
-        outs = [out async for out in engine.generate(admitted, lambda: at_admit.append(engine.core.steps) is None)]
+        outs = [out async for out in engine.generate(admitted, SessionPrefix("s1", disk=(0, [])))]
         assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 2
-        assert first_step[admitted.request_id] == at_admit[0] + 1  # its prefill was the very next step
+        assert first_step[admitted.request_id] == 1  # no step ran before its prefill
     finally:
         engine.shutdown()
-
-
-def _wait_idle(core) -> bool:
-    """Runs on the engine thread: the abort command ran before this one, so nothing is left."""
-    return not core.requests and audit(core.pool).used == 0
 
 
 def test_pool_grows_and_shrinks_under_a_running_request(make_core, loaded_fp32) -> None:
@@ -301,9 +291,10 @@ def test_a_full_waiting_queue_refuses_with_queue_full_and_keeps_nothing(make_cor
 async def test_a_command_queued_as_the_engine_stops_still_runs(make_core, loaded_fp32) -> None:
     """A command that reaches the queue after the loop's last drain runs before the thread ends
     (before, its caller waited until something else cancelled it); one after shutdown is refused."""
-    engine = InferenceEngine(make_core())
+    core = make_core()
+    engine = InferenceEngine(core)
     in_housekeeping, release = threading.Event(), threading.Event()
-    engine.housekeeping.append(lambda: (in_housekeeping.set(), release.wait()))
+    core.tend_pins = lambda: (in_housekeeping.set(), release.wait())  # the loop's first round stops here
     engine.start()
     try:
         await asyncio.to_thread(in_housekeeping.wait)  # the thread is past this round's drain
@@ -316,9 +307,32 @@ async def test_a_command_queued_as_the_engine_stops_still_runs(make_core, loaded
         release.set()
         counted = await asyncio.wait_for(stats, timeout=30)
         await stopping
-        assert counted == engine.core.pool.stats() and counted.total == engine.core.pool.num_blocks
+        assert counted == core.pool.stats() and counted.total == core.pool.num_blocks
         with pytest.raises(EngineStopped):
             await engine.stats()
     finally:
         release.set()
         engine.shutdown()
+
+
+def test_a_preempted_beam_search_gives_back_every_beam(make_core, loaded_fp32) -> None:
+    """Preempting a beam search restarts it from its prompt: every beam's table goes back first (the
+    beams' tables were once dropped unreleased, their blocks held until the process ended)."""
+    core = make_core(num_blocks=20, block_size=8, low_watermark=0.0, max_queue_wait_s=3600)
+    older = [_prompt(core, loaded_fp32, i, max_tokens=24) for i in range(2)]
+    for req in older:
+        core.add(req)
+    core.step()
+    beams = core.make_request(chat_ids(loaded_fp32.tokenizer, QUESTIONS[5]),
+                              SamplingParams(max_tokens=24, beam_width=3, ignore_eos=True))
+    core.add(beams)
+    for _ in range(400):
+        core.step()
+        if beams.preemptions and len(beams.seqs) == 1:
+            break
+    assert beams.preemptions, "the beam search was not preempted"
+    report = audit(core.pool)
+    assert report.ok and all(t.owner.split("/")[0] != beams.request_id for t in report.tables), report.format()
+    finals = run_to_end(core, max_steps=5000)
+    assert finals[beams.request_id].error is None and len(finals[beams.request_id].outputs) == 3
+    _assert_idle(core)

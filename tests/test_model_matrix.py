@@ -18,8 +18,8 @@ import torch
 from chatcore.cache import audit
 from chatcore.config import Settings
 from chatcore.engine.core import EngineCore
-from chatcore.engine.request import SamplingParams
 from chatcore.engine.errors import RequestRejected
+from chatcore.engine.request import SamplingParams
 from chatcore.models.errors import UnsupportedModel
 from chatcore.models.loader import LoadedModel, load_model
 from tests.engine_helpers import QUESTIONS, add_all, chat_ids, hf_greedy, run_to_end

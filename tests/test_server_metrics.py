@@ -28,6 +28,7 @@ from sqlalchemy import event
 
 from chatcore.cli import build_parser
 from chatcore.config import Settings, load_settings
+from chatcore.engine.commands import NumBlocks
 from chatcore.server.app import create_app
 from tests.server_helpers import (
     STARTUP_TIMEOUT_S,
@@ -232,4 +233,4 @@ def test_the_gauges_follow_the_server_after_a_refresh(in_process: InProcessServe
     assert sum(sessions.values()) == previous + created, (before, sessions)
     assert sessions["hot"] == counts["hot"] and sessions["warm"] == counts["warm"]
     blocks = sum(after[f'chatcore_kv_blocks{{state="{state}"}}'] for state in ("free", "cached", "used"))
-    assert blocks == services.engine.core.pool.num_blocks
+    assert blocks == in_process.run(services.engine.send(NumBlocks()))

@@ -6,9 +6,10 @@ import pytest
 
 from chatcore.cache import audit
 from chatcore.config import Settings
+from chatcore.engine.commands import Audit, ResetPrefixCache
 from chatcore.engine.request import SamplingParams
 from chatcore.server.services import Services
-from tests.engine_helpers import LONG_SYSTEM
+from tests.engine_helpers import LONG_SYSTEM, on_engine_thread
 
 pytestmark = pytest.mark.model
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
@@ -27,7 +28,7 @@ async def make_services(tmp_path, loaded_fp32):
 
     yield factory
     for services in started:
-        report = await services.engine.call(lambda core: audit(core.pool))
+        report = await services.engine.send(Audit())
         assert report.ok, report.format()
         await services.stop()
 
@@ -80,12 +81,12 @@ async def test_same_system_prompt_blocks_are_shared_then_not_under_tenant_scope(
         system_blocks = len(services.sessions.template.first_turn(LONG_SYSTEM, "x")) // bs - 1
 
         def inspect(core):
-            tables = services.sessions.pins.tables()
+            tables = core.kv_cache.pinned_tables()
             a, b = (tables[s.id] for s in states)
             report = audit(core.pool)
             return a.block_ids[:system_blocks], b.block_ids[:system_blocks], report
 
-        a_blocks, b_blocks, report = await services.engine.call(inspect)
+        a_blocks, b_blocks, report = await on_engine_thread(services.engine, inspect)
         assert report.ok
         if scope == "global":
             assert a_blocks == b_blocks and all(report.refs[b] == 2 for b in a_blocks)
@@ -105,7 +106,7 @@ async def test_cold_and_back_answers_like_a_session_that_stayed(make_services) -
         await run_turn(services, left, q)
     await services.sessions.go_cold(left)
     assert left.id not in services.sessions.live
-    await services.engine.call(lambda core: core.pool.evict_cached())  # nothing of it left in the pool
+    await services.engine.send(ResetPrefixCache())  # nothing of it left in the pool
     reopened = await services.sessions.open(tenant, left.id)
     assert reopened is not left and reopened.tokens == left.tokens
     back = await run_turn(services, reopened, questions[2])
@@ -119,9 +120,9 @@ async def one_turn_then_only_on_disk(make_services):
     services = await make_services(kv_disk_gb=1, hot_window_s=0)
     state, _ = await services.sessions.create(services.local_tenant_id, system_prompt=LONG_SYSTEM)
     await run_turn(services, state, "Can I change my booking?")
-    await services.turns.background_idle()
+    await services.residency.background_idle()
     await services.sessions.go_cold(state)
-    await services.engine.call(lambda core: core.pool.evict_cached())
+    await services.engine.send(ResetPrefixCache())
     return services, state
 
 
@@ -141,11 +142,11 @@ async def test_disk_tier_serves_a_cold_session_and_rejects_bad_files(make_servic
     from chatcore.kv.disk import DiskBlocks
 
     bs = services.settings.block_size
-    salt = services.engine.core.salt(reopened.scope_key)
+    salt = services.engine.salt(reopened.scope_key)
     for round_, (index, damage) in enumerate([(1, "bitflip"), (2, "foreign")]):
-        await services.turns.background_idle()
+        await services.residency.background_idle()
         await services.sessions.go_cold(reopened)
-        await services.engine.call(lambda core: core.pool.evict_cached())
+        await services.engine.send(ResetPrefixCache())
         chain = chain_hashes(reopened.tokens, bs, salt)
         path = services.disk.files.path_for(chain[index])
         if damage == "bitflip":

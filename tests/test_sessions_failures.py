@@ -7,7 +7,7 @@ import sqlite3
 
 import pytest
 
-from chatcore.cache import audit
+from chatcore.engine.commands import Audit, Unpin
 from tests.test_sessions import GREEDY, make_services, run_turn  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.model
@@ -35,16 +35,16 @@ async def test_a_turn_whose_save_fails_ends_with_error_and_done_and_keeps_memory
     assert received[-2]["code"] == "internal" and received[-1]["finish_reason"] == "error"
     assert state.tokens == tokens and state.messages == messages and not state.turn_running
     # Nothing stays referenced: not the turn's table, not the pin it continued.
-    report = await services.engine.call(lambda core: audit(core.pool))
+    report = await services.engine.send(Audit())
     assert report.ok and report.used == 0, report.format()
-    assert state.id not in services.sessions.pins
+    assert state.id not in services.engine.pinned_sessions
 
     with sqlite3.connect(database_file(services)) as db:
         db.execute("DROP TRIGGER fail_finish")
     after = await run_turn(services, state, "And one more?")
     assert after["finish_reason"] in ("stop", "length")
     # What memory holds is what a reload from the database gives.
-    await services.turns.background_idle()
+    await services.residency.background_idle()
     await services.sessions.go_cold(state)
     reloaded = await services.sessions.open(services.local_tenant_id, state.id)
     assert reloaded.tokens == state.tokens
@@ -97,8 +97,8 @@ async def test_a_cancel_that_comes_while_the_prefix_is_attached_is_not_lost(make
     assert done["finish_reason"] == "cancelled" and done["usage"]["completion_tokens"] == 0
     assert not [f for f in frames.frames if f["type"] == "token"]
     assert state.tokens[:len(tokens)] == tokens
-    await services.engine.call(lambda core: services.sessions.pins.release(state.id))
-    report = await services.engine.call(lambda core: audit(core.pool))
+    await services.engine.send(Unpin(state.id))
+    report = await services.engine.send(Audit())
     assert report.ok and report.used == 0, report.format()
 
 
@@ -130,7 +130,7 @@ async def test_a_turn_whose_bookkeeping_fails_still_sends_done_and_keeps_its_pin
     services.turns.metrics.record_request = broken
     done = await asyncio.wait_for(run_turn(services, state, "Name a colour."), 120)
     assert done["finish_reason"] in ("stop", "length") and state.messages[-1]["role"] == "assistant"
-    assert state.id in services.sessions.pins  # the turn's table became the session's pin
-    await services.engine.on_thread(lambda: services.sessions.pins.release(state.id))
-    report = await services.engine.call(lambda core: audit(core.pool))
+    assert state.id in services.engine.pinned_sessions  # the turn's table became the session's pin
+    await services.engine.send(Unpin(state.id))
+    report = await services.engine.send(Audit())
     assert report.ok and report.used == 0, report.format()

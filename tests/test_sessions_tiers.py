@@ -9,9 +9,11 @@ import threading
 import torch
 
 from chatcore.cache import audit, chain_hashes, longest_prefix
+from chatcore.engine.commands import Audit, CachedPrefix, ResetPrefixCache, Unpin
 from chatcore.sessions.disk_tier import DiskTier
 from chatcore.store.db import create_engine, create_sessionmaker, migrate
 from chatcore.store.repos import Repos
+from tests.engine_helpers import on_engine_thread
 from tests.test_sessions import make_services, one_turn_then_only_on_disk, run_turn  # noqa: F401  (a fixture)
 
 
@@ -172,21 +174,21 @@ async def test_prefetch_brings_a_cold_history_into_the_pool_before_its_turn(make
     tenant = services.local_tenant_id
     reopened = await services.sessions.open(tenant, state.id)
     bs = services.settings.block_size
-    salt = services.engine.core.salt(reopened.scope_key)
+    salt = services.engine.salt(reopened.scope_key)
     full = len(reopened.tokens) // bs
 
     def cached_blocks(core) -> int:
         return len(longest_prefix(core.pool.find, reopened.tokens, bs, salt)[0])
 
-    assert await services.engine.call(cached_blocks) == 0
-    services.turns.prefetch(reopened)  # what `hello` does
+    assert await on_engine_thread(services.engine, cached_blocks) == 0
+    services.residency.prefetch(reopened)  # what `hello` does
     assert reopened.prefetching is not None
     loaded = len(await reopened.prefetching) * bs
     assert loaded == full * bs
-    assert await services.engine.call(cached_blocks) == full
-    report = await services.engine.call(lambda core: audit(core.pool))
+    assert await on_engine_thread(services.engine, cached_blocks) == full
+    report = await services.engine.send(Audit())
     assert report.ok and report.used == 0  # installed cached-free, claimed by the session
-    owners = await services.engine.call(lambda core: set(core.pool.forecast.owned().values()))
+    owners = await on_engine_thread(services.engine, lambda core: set(core.pool.forecast.owned().values()))
     assert owners == {reopened.id}
     files_before = chain_hashes(reopened.tokens, bs, salt)
 
@@ -206,15 +208,15 @@ async def test_a_prefetch_that_found_nothing_on_disk_is_not_repeated_until_the_h
     state, _ = await services.sessions.create(services.local_tenant_id)
     bs = services.settings.block_size
     state.tokens = [1000 + i % 300 for i in range(8 * bs)]
-    services.turns.prefetch(state)  # what `hello` does
+    services.residency.prefetch(state)  # what `hello` does
     assert state.prefetching is not None
     assert await state.prefetching == range(0)
     assert state.prefetching is None and state.disk_missed is state.tokens
     for _ in range(3):
-        services.turns.prefetch(state)
+        services.residency.prefetch(state)
         assert state.prefetching is None  # no task: no hashing, no index query
     state.tokens = [*state.tokens, *range(2000, 2000 + bs)]  # a turn replaced the history
-    services.turns.prefetch(state)
+    services.residency.prefetch(state)
     assert state.prefetching is not None
     assert await state.prefetching == range(0)
     assert state.disk_missed is state.tokens
@@ -223,22 +225,20 @@ async def test_a_prefetch_that_found_nothing_on_disk_is_not_repeated_until_the_h
 def test_a_block_that_cannot_be_installed_leaves_nothing_referenced(make_core) -> None:
     import pytest
 
-    from chatcore.engine.block_ops import BlockOps
-
     core = make_core()
     bs = core.pool.block_size
     tokens = list(range(100, 100 + 4 * bs))
     salt = core.salt()
     wrong_shape = [torch.zeros(3, 3)] * 4  # a file of another model's shape, say
     with pytest.raises(RuntimeError):
-        BlockOps(core).install(tokens, salt, 4, 0, wrong_shape, "test")
+        core.kv_cache.install(tokens, salt, 4, 0, wrong_shape, "test")
     report = audit(core.pool)
     assert report.ok and report.used == 0 and not core.pool.tables, report.format()
 
 
 async def test_a_turn_prefetches_the_session_expected_back_next(make_services) -> None:  # noqa: F811
     services = await make_services(kv_disk_gb=1, hot_window_s=0)
-    disk = services.turns.disk
+    disk = services.residency.disk
     disk.clock = Ticks()  # the forecast's clock: one second per reading, so the order is fixed
     tenant = services.local_tenant_id
     a, b, c = [(await services.sessions.create(tenant, system_prompt=f"You are assistant {name}."))[0]
@@ -247,15 +247,15 @@ async def test_a_turn_prefetches_the_session_expected_back_next(make_services) -
     # finds the history in the pool leaves nothing), then claiming its chain at 2, 4, 6, 8, 10.
     for number, state in enumerate((a, b, c, a, b)):
         await run_turn(services, state, f"Say hello to user number {number}.")
-    await services.turns.background_idle()
+    await services.residency.background_idle()
     for state in (a, b, c):
-        await services.engine.on_thread(lambda s=state: services.turns.pins.release(s.id))
-    await services.engine.call(lambda core: core.pool.evict_cached())
+        await services.engine.send(Unpin(state.id))
+    await services.engine.send(ResetPrefixCache())
     bs = services.settings.block_size
 
     async def cached_blocks(state) -> int:
-        salt = services.engine.core.salt(state.scope_key)
-        return await services.engine.call(lambda core: len(longest_prefix(core.pool.find, state.tokens, bs, salt)[0]))
+        salt = services.engine.salt(state.scope_key)
+        return await services.engine.send(CachedPrefix(state.tokens, salt, len(state.tokens) // bs))
 
     assert [await cached_blocks(s) for s in (a, b, c)] == [0, 0, 0]
     # a's turn (out of order) looks ahead at 11: c (used at 6; no gap of its own, the mean gap is 6)
@@ -265,7 +265,7 @@ async def test_a_turn_prefetches_the_session_expected_back_next(make_services) -
     loaded = len(await c.prefetching) * bs
     # Every block on disk (the history's last full block is not, when it holds the answer's
     # last, never computed, tokens).
-    salt = services.engine.core.salt(c.scope_key)
+    salt = services.engine.salt(c.scope_key)
     stored = await on_disk(disk, chain_hashes(c.tokens, bs, salt))
     assert stored == chain_hashes(c.tokens, bs, salt)[: len(stored)]
     assert loaded == len(stored) * bs
@@ -309,9 +309,9 @@ async def test_a_prefetch_makes_room_by_releasing_pins_expected_back_later(make_
     from chatcore.cache import BlockTable
 
     services = await make_services(kv_disk_gb=1, hot_window_s=3600)  # pins stay until released
-    services.turns.prefetch_next = lambda current: None  # only the prefetch under test reads the disk
+    services.residency.prefetch_next = lambda current: None  # only the prefetch under test reads the disk
     clock = [0.0]
-    await services.engine.call(lambda core: setattr(core.pool, "clock", lambda: clock[0]))
+    await on_engine_thread(services.engine, lambda core: setattr(core.pool, "clock", lambda: clock[0]))
     tenant = services.local_tenant_id
     a, b, c = [(await services.sessions.create(tenant, system_prompt=f"You are assistant {name}."))[0]
                for name in "abc"]
@@ -320,17 +320,16 @@ async def test_a_prefetch_makes_room_by_releasing_pins_expected_back_later(make_
     for second, state in enumerate((c, a, b, c, a, b), 1):
         clock[0] = float(second)
         await run_turn(services, state, f"Say hello to user number {second}.")
-    await services.turns.background_idle()
+    await services.residency.background_idle()
     clock[0] = 6.5
-    pins = services.turns.pins
-    await services.engine.on_thread(lambda: pins.release(c.id))
-    await services.engine.call(lambda core: core.pool.evict_cached())  # c's history is on disk only
+    await services.engine.send(Unpin(c.id))
+    await services.engine.send(ResetPrefixCache())  # c's history is on disk only
     bs = services.settings.block_size
-    salt = services.engine.core.salt(c.scope_key)
-    in_pool = await services.engine.call(lambda core: len(longest_prefix(core.pool.find, c.tokens, bs, salt)[0]))
+    salt = services.engine.salt(c.scope_key)
+    in_pool = await services.engine.send(CachedPrefix(c.tokens, salt, len(c.tokens) // bs))
     # What a prefetch brings back: the blocks on disk past those still in the pool (the history's
     # last full block is not on disk when it holds the answer's last, never computed, tokens).
-    stored = await on_disk(services.turns.disk, chain_hashes(c.tokens, bs, salt))
+    stored = await on_disk(services.residency.disk, chain_hashes(c.tokens, bs, salt))
     assert stored == chain_hashes(c.tokens, bs, salt)[: len(stored)]
     missing = len(stored) - in_pool
 
@@ -340,16 +339,16 @@ async def test_a_prefetch_makes_room_by_releasing_pins_expected_back_later(make_
         filler.append_slots((core.pool.num_available - core.pool.low_watermark_blocks - missing + 1) * bs)
         return filler
 
-    filler = await services.engine.call(leave_room_for_one_block_less)
+    filler = await on_engine_thread(services.engine, leave_room_for_one_block_less)
     try:
-        assert await services.engine.on_thread(services.engine.blocks.room) == missing - 1
-        services.turns.prefetch(c)
+        assert await on_engine_thread(services.engine, lambda core: core.kv_cache._room()) == missing - 1
+        services.residency.prefetch(c)
         assert c.prefetching is not None
         assert await c.prefetching == range(in_pool, in_pool + missing)
         # b, expected back last, gave its pin up (its blocks stay cached-free); a kept its own.
-        assert await services.engine.on_thread(pins.session_ids) == [a.id]
+        assert services.engine.pinned_sessions == {a.id}
     finally:
-        await services.engine.on_thread(filler.release)
+        await on_engine_thread(services.engine, lambda core: filler.release())
     done = await run_turn(services, c, "And now?")
     assert done["usage"]["cached_disk_tokens"] == missing * bs
 
@@ -361,13 +360,13 @@ async def test_prefetched_blocks_evicted_before_the_turn_takes_them_count_as_rec
     and still ends with `done` (a negative device share once stranded it: metrics refused it)."""
     services, state = await one_turn_then_only_on_disk(make_services)
     reopened = await services.sessions.open(services.local_tenant_id, state.id)
-    services.turns.prefetch(reopened)
+    services.residency.prefetch(reopened)
     assert len(await reopened.prefetching) > 0
-    disk = services.turns.disk
+    disk = services.residency.disk
     load = disk.load
 
     async def evicting_load(hashes):
-        await services.engine.call(lambda core: core.pool.evict_cached())
+        await services.engine.send(ResetPrefixCache())
         return await load(hashes)
 
     disk.load = evicting_load
@@ -376,5 +375,5 @@ async def test_prefetched_blocks_evicted_before_the_turn_takes_them_count_as_rec
     assert 0 <= usage["cached_disk_tokens"] <= usage["cached_tokens"]
     assert usage["cached_device_tokens"] == usage["cached_tokens"] - usage["cached_disk_tokens"] >= 0
     assert usage["recomputed_tokens"] == usage["prompt_tokens"] - usage["cached_tokens"]
-    report = await services.engine.call(lambda core: audit(core.pool))
+    report = await services.engine.send(Audit())
     assert report.ok, report.format()

@@ -70,14 +70,39 @@ class AuditReport:
 
 
 def audit(pool: BlockPool) -> AuditReport:
-    bs = pool.block_size
     tables = pool.tables
-    mapped: Counter[int] = Counter()
     violations: list[str] = []
-    views: list[TableView] = []
-    for table in tables:
+    mapped = _check_tables(pool, violations)
+    free_ids, lru_ids = set(pool.free_ids()), set(pool.lru_ids())
+    _check_blocks(pool, mapped, free_ids, lru_ids, violations)
+    _check_index(pool, mapped, violations)
+    used = sum(1 for b in pool.blocks if b.ref > 0)
+    sum_refs = sum(b.ref for b in pool.blocks)
+    sum_lens = sum(len(t.block_ids) for t in tables)
+    if len(free_ids) + len(lru_ids) + used != len(pool.blocks):
+        violations.append(f"free {len(free_ids)} + cached {len(lru_ids)} + used {used} != total {len(pool.blocks)}")
+    if sum_refs != sum_lens:
+        violations.append(f"sum of refs {sum_refs} != sum of table lengths {sum_lens}")
+    return AuditReport(
+        total=len(pool.blocks),
+        free=len(free_ids),
+        cached=len(lru_ids),
+        used=used,
+        sum_refs=sum_refs,
+        sum_table_lens=sum_lens,
+        tables=[TableView(t.owner or f"table@{id(t):x}", list(t.block_ids), t.num_tokens) for t in tables],
+        refs={b.id: b.ref for b in pool.blocks if b.ref > 0},
+        alloc_sites={b.id: b.alloc_site for b in pool.blocks if b.alloc_site is not None},
+        violations=violations,
+    )
+
+
+def _check_tables(pool: BlockPool, violations: list[str]) -> Counter[int]:
+    """Each live table's shape; returns how many table entries map each block."""
+    bs = pool.block_size
+    mapped: Counter[int] = Counter()
+    for table in pool.tables:
         name = table.owner or f"table@{id(table):x}"
-        views.append(TableView(name, list(table.block_ids), table.num_tokens))
         mapped.update(table.block_ids)
         if table.released:
             violations.append(f"{name}: released but still attached")
@@ -87,9 +112,13 @@ def audit(pool: BlockPool) -> AuditReport:
             violations.append(f"{name}: maps one block twice")
         if len(table.hashes) > table.num_tokens // bs:
             violations.append(f"{name}: {len(table.hashes)} hashes but only {table.num_tokens // bs} full blocks")
+    return mapped
 
-    free_ids = set(pool.free_ids())
-    lru_ids = set(pool.lru_ids())
+
+def _check_blocks(pool: BlockPool, mapped: Counter[int], free_ids: set[int], lru_ids: set[int],
+                  violations: list[str]) -> None:
+    """Each block's state, reference count and hash."""
+    bs = pool.block_size
     index = dict(pool.index.items())
     for block in pool.blocks:
         bid = block.id
@@ -107,7 +136,11 @@ def audit(pool: BlockPool) -> AuditReport:
             violations.append(f"block {bid}: cached-free but not findable by its hash")
         if block.hash is not None and (block.token_ids is None or len(block.token_ids) != bs):
             violations.append(f"block {bid}: hashed without a full block of token ids")
-    for block_hash, bid in index.items():
+
+
+def _check_index(pool: BlockPool, mapped: Counter[int], violations: list[str]) -> None:
+    """The prefix index, the children counts and the forecast's claims agree with the blocks."""
+    for block_hash, bid in pool.index.items():
         if not 0 <= bid < len(pool.blocks) or pool.blocks[bid].hash != block_hash:
             violations.append(f"index entry {block_hash.hex()[:12]} points at block {bid} with another hash")
     children = Counter(b.parent_hash for b in pool.blocks if b.hash is not None and b.parent_hash is not None)
@@ -119,23 +152,3 @@ def audit(pool: BlockPool) -> AuditReport:
     for bid in mapped:
         if not 0 <= bid < len(pool.blocks):
             violations.append(f"a table maps unknown block {bid}")
-
-    used = sum(1 for b in pool.blocks if b.ref > 0)
-    sum_refs = sum(b.ref for b in pool.blocks)
-    sum_lens = sum(len(t.block_ids) for t in tables)
-    if len(free_ids) + len(lru_ids) + used != len(pool.blocks):
-        violations.append(f"free {len(free_ids)} + cached {len(lru_ids)} + used {used} != total {len(pool.blocks)}")
-    if sum_refs != sum_lens:
-        violations.append(f"sum of refs {sum_refs} != sum of table lengths {sum_lens}")
-    return AuditReport(
-        total=len(pool.blocks),
-        free=len(free_ids),
-        cached=len(lru_ids),
-        used=used,
-        sum_refs=sum_refs,
-        sum_table_lens=sum_lens,
-        tables=views,
-        refs={b.id: b.ref for b in pool.blocks if b.ref > 0},
-        alloc_sites={b.id: b.alloc_site for b in pool.blocks if b.alloc_site is not None},
-        violations=violations,
-    )

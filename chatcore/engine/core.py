@@ -2,8 +2,8 @@
 
 Only the thread that calls `step()` touches the block pool, the tables and the KV tensors.
 Every exit path of a request (stop, length, abort, busy, error) goes through `_finish`, which
-releases all of its tables through the scheduler; a request may keep its best table for the
-session that owns it (`keep_table`).
+gives all of its tables back to the KV cache manager (`KVCacheManager.free`); a session's turn
+keeps its first sample's table there as the session's pin.
 """
 
 from __future__ import annotations
@@ -18,52 +18,26 @@ import torch
 from chatcore.cache import BlockPool, CacheError, audit, cache_salt
 from chatcore.config import Settings
 from chatcore.engine.batch_limits import batch_limits
-from chatcore.engine.beam import BeamSearch
+from chatcore.engine.beams import Beams
 from chatcore.engine.choices import StepChoices
+from chatcore.engine.commands import SessionPrefix
 from chatcore.engine.detok import IncrementalDetokenizer
 from chatcore.engine.errors import describe_failure
 from chatcore.engine.grammar import CompilePolicy, Grammars
-from chatcore.engine.outputs import (
-    CompletedSeq,
-    RequestOutput,
-    SeqDelta,
-    Timings,
-    TokenLogprob,
-    Usage,
-)
+from chatcore.engine.kv_manager import KVCacheManager
+from chatcore.engine.outputs import CompletedSeq, RequestOutput, SeqDelta, Timings, TokenLogprob, Usage
 from chatcore.engine.penalties import Penalties
+from chatcore.engine.pool_sizing import depth_cost, kv_storage_dtype, pool_size
 from chatcore.engine.request import Request, SamplingParams, TokenSequence
 from chatcore.engine.runner import ModelRunner
 from chatcore.engine.sampler import beam_candidates, make_generator, sample
 from chatcore.engine.scheduler import ScheduledSeq, Scheduler, StepPlan
 from chatcore.engine.transfers import DownloadPack
-from chatcore.kv.sizing import device_pool_bytes
-from chatcore.kv.tensors import DTYPES, KVTensors
+from chatcore.kv.tensors import KVTensors
 from chatcore.models.loader import LoadedModel
 from chatcore.outcomes import ErrorCode, FinishReason
 
 log = logging.getLogger(__name__)
-
-
-def kv_storage_dtype(settings: Settings, loaded: LoadedModel) -> torch.dtype:
-    return loaded.dtype if settings.kv_dtype == "auto" else DTYPES[settings.kv_dtype]
-
-
-def pool_size(settings: Settings, loaded: LoadedModel) -> int:
-    if settings.num_blocks is not None:
-        return settings.num_blocks
-    per_block = KVTensors.bytes_per_block(loaded.num_layers, settings.block_size, loaded.num_kv_heads,
-                                          loaded.head_dim, kv_storage_dtype(settings, loaded))
-    budget = device_pool_bytes(settings.kv_cache_gb, loaded.device, settings.gpu_memory_fraction)
-    return max(16, budget // per_block)
-
-
-def depth_cost(loaded: LoadedModel, block_size: int) -> float:
-    """Recompute FLOPs a block of depth adds to a block (attention), relative to a block's linear
-    FLOPs (2 x parameters per token): what losing a deep block costs over a shallow one."""
-    params = sum(p.numel() for p in loaded.model.parameters())
-    attention_per_position = 4 * loaded.num_layers * loaded.num_heads * loaded.head_dim
-    return attention_per_position * block_size / (2 * params)
 
 
 class EngineCore:
@@ -78,8 +52,9 @@ class EngineCore:
                               depth_cost=depth_cost(loaded, settings.block_size))
         self.kv = KVTensors(loaded.num_layers, num_blocks, settings.block_size, loaded.num_kv_heads,
                             loaded.head_dim, kv_storage_dtype(settings, loaded), loaded.device)
+        self.kv_cache = KVCacheManager(self.pool, self.kv, settings.hot_window_s)
         limits = batch_limits(settings, loaded.device)
-        self.scheduler = Scheduler(self.pool, max_batch_tokens=limits.max_batch_tokens,
+        self.scheduler = Scheduler(self.kv_cache, max_batch_tokens=limits.max_batch_tokens,
                                    max_num_seqs=limits.max_num_seqs, max_queue_wait_s=settings.max_queue_wait_s,
                                    max_context=min(loaded.max_context, settings.max_context or loaded.max_context),
                                    max_waiting=settings.max_waiting_requests)
@@ -89,7 +64,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._detok: dict[TokenSequence, IncrementalDetokenizer] = {}
         self._generators: dict[TokenSequence, torch.Generator] = {}
-        self._beams: dict[str, BeamSearch] = {}
+        self._beams = Beams(self.kv_cache, lambda req: self._stop_ids(req.params))
         self._penalties = Penalties(self.vocab_size, loaded.device)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, loaded.stop_token_ids, CompilePolicy(
             settings.grammar_compile_threads, settings.grammar_compile_timeout_s, settings.grammar_cache_mb << 20))
@@ -120,13 +95,18 @@ class EngineCore:
                      scope_key: str = "global") -> Request:
         return Request(request_id or uuid.uuid4().hex, list(prompt), params, salt=self.salt(scope_key))
 
-    def add(self, req: Request) -> None:
-        """Queue a request; raises `RequestRejected` (and keeps nothing) if it can never fit."""
+    def add(self, req: Request, prefix: SessionPrefix | None = None) -> int | None:
+        """Queue a request, its session prefix prepared first (`KVCacheManager.prepare`). Returns None
+        once it is queued, or, when it declines for blocks the disk tier may hold, how many full
+        prompt blocks the pool holds (nothing is kept). Raises `RequestRejected` (and keeps nothing)
+        if it can never fit."""
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id}")
         if not req.salt:
             req.salt = self.salt()
         try:
+            if prefix is not None and (declined := self.kv_cache.prepare(req, prefix)) is not None:
+                return declined
             self._penalties.admit(req)
             if req.params.response_format is not None:
                 self.grammars.admit(req.seqs[0], req.params.response_format)
@@ -134,10 +114,10 @@ class EngineCore:
         except Exception:
             self._penalties.release(req)
             self.grammars.release(req.seqs[0])
-            if req.prefix_table is not None and not req.prefix_table.released:
-                req.prefix_table.release()
+            self.kv_cache.free(req)
             raise
         self.requests[req.request_id] = req
+        return None
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> RequestOutput | None:
         """End a request in any state (waiting, prefilling, decoding, preempted)."""
@@ -148,15 +128,6 @@ class EngineCore:
             seq.finish_reason = reason
         return self._finish(req)
 
-    def discard(self, req: Request) -> None:
-        """Release what a request built but never added holds (its prefix table); a request the
-        engine knows is left alone (`abort` ends it)."""
-        if req.request_id in self.requests:
-            return
-        if req.prefix_table is not None and not req.prefix_table.released:
-            req.prefix_table.release()
-        req.prefix_table = None
-
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
@@ -165,6 +136,10 @@ class EngineCore:
     def awaiting_first_token(self) -> bool:
         """Whether a request (waiting, or prefilling) has yet to produce its first token."""
         return any(req.first_token is None for req in self.requests.values())
+
+    def tend_pins(self) -> None:
+        """Expire and trim the sessions' pins (`KVCacheManager.tend_pins`), between two steps."""
+        self.kv_cache.tend_pins(self.settings.max_hot_sessions, self.settings.pinned_kv_fraction)
 
     def resize(self, num_blocks: int) -> int:
         """Grow or shrink the pool and its tensors together; block ids never change.
@@ -258,7 +233,7 @@ class EngineCore:
         pack = DownloadPack()
         pack.add("argmax", argmax)
         choices = StepChoices(plain, logits, argmax, pack, self._penalties, sample, self._generator)
-        candidates = [beam_candidates(torch.stack([logits[r] for r in beam_rows]), self._beam(req).candidates)
+        candidates = [beam_candidates(torch.stack([logits[r] for r in beam_rows]), self._beams.search(req).candidates)
                       for req, beam_rows in beams]
         for i, (values, ids) in enumerate(candidates):
             pack.add(f"beam{i}.values", values)
@@ -267,9 +242,9 @@ class EngineCore:
         for i, ((req, _), (values, _)) in enumerate(zip(beams, candidates, strict=True)):
             width = values.shape[1]
             flat_values, flat_ids = pack.segment(host, f"beam{i}.values"), pack.segment(host, f"beam{i}.ids")
-            self._beam_step(req, [flat_values[j: j + width] for j in range(0, len(flat_values), width)],
-                            [[int(t) for t in flat_ids[j: j + width]] for j in range(0, len(flat_ids), width)],
-                            outputs)
+            self._beams.step(req, [flat_values[j: j + width] for j in range(0, len(flat_values), width)],
+                             [[int(t) for t in flat_ids[j: j + width]] for j in range(0, len(flat_ids), width)])
+            outputs.setdefault(req.request_id, RequestOutput(req.request_id))
         for (req, seq, _), (token, logprob) in zip(plain, choices.read(host), strict=True):
             complete = self.grammars.constrained(seq) and self.grammars.accept(seq, token)
             self._append_token(req, seq, token, now, outputs, logprob, complete)
@@ -284,11 +259,11 @@ class EngineCore:
         own generator."""
         req.forked = True
         seq0 = req.seqs[0]
-        assert seq0.table is not None
         forks = []
         for child in range(1, req.params.n):
             fork = TokenSequence(child, list(seq0.tokens), seq0.prompt_len,
-                            table=seq0.table.fork(owner=f"{req.request_id}/{child}"), num_computed=seq0.num_computed)
+                                 table=self.kv_cache.fork(seq0, f"{req.request_id}/{child}"),
+                                 num_computed=seq0.num_computed)
             req.seqs.append(fork)
             self._penalties.fork(seq0, fork)
             self.grammars.fork(seq0, fork)
@@ -329,111 +304,51 @@ class EngineCore:
             seq.finish_reason = FinishReason.LENGTH
         if seq.finished:
             text += detok.flush()
-            if seq.table is not None and not (req.keep_table and seq.index == 0):
-                seq.table.release()
-                seq.table = None
+            if not (req.session_id is not None and seq.index == 0):  # a session's turn keeps it to the end
+                self.kv_cache.free_seq(seq)
         out = outputs.setdefault(req.request_id, RequestOutput(req.request_id))
         out.deltas.append(SeqDelta(seq.index, [token], text, [logprob] if logprob is not None else None))
 
-    def _beam(self, req: Request) -> BeamSearch:
-        search = self._beams.get(req.request_id)
-        if search is None:
-            search = self._beams[req.request_id] = BeamSearch(
-                req.params.beam_width, req.params.length_penalty, req.params.max_tokens,
-                self._stop_ids(req.params))
-        return search
-
-    def _beam_step(self, req: Request, values: list[list[float]], ids: list[list[int]],
-                   outputs: dict[str, RequestOutput]) -> None:
-        search = self._beam(req)
-        beams = req.live_seqs
-        choices = search.step(values, ids, [s.cum_logprob for s in beams], [s.output_ids for s in beams])
-        if req.first_token is None:
-            req.first_token = time.monotonic()
-        snapshots = [list(s.tokens) for s in beams]
-        reused: set[int] = set()
-        next_beams: list[TokenSequence] = []
-        for i, choice in enumerate(choices):
-            parent = beams[choice.parent]
-            if choice.parent not in reused:
-                reused.add(choice.parent)
-                parent.tokens.append(choice.token)
-                child = parent
-            else:
-                assert parent.table is not None
-                child = TokenSequence(i, snapshots[choice.parent] + [choice.token], parent.prompt_len,
-                                 table=parent.table.fork(owner=f"{req.request_id}/b"),
-                                 num_computed=parent.num_computed)
-            child.cum_logprob = choice.score
-            next_beams.append(child)
-        for pos, beam in enumerate(beams):
-            if pos not in reused:
-                beam.finish_reason = FinishReason.STOP
-                if beam.table is not None:
-                    beam.table.release()
-                    beam.table = None
-        for i, beam in enumerate(next_beams):
-            beam.index = i
-            if beam.table is not None:
-                beam.table.owner = f"{req.request_id}/{i}"
-        req.seqs = next_beams
-        if search.done:
-            for beam in next_beams:
-                beam.finish_reason = FinishReason.STOP
-        outputs.setdefault(req.request_id, RequestOutput(req.request_id))
-
     # ----- finishing ---------------------------------------------------------------------------
     def _finish(self, req: Request) -> RequestOutput:
-        """The one exit path: hand a session its table, release the rest through the scheduler,
-        then report."""
-        self._hand_back_table(req)
+        """The one exit path: give every table back to the KV cache manager (a session's turn keeps
+        its pin there), take the request out of the queues, then report."""
+        pinned = self.kv_cache.free(req)
         self.scheduler.remove(req)
         self._penalties.release(req)
         for seq in req.seqs:
             self.grammars.release(seq)
         self.requests.pop(req.request_id, None)
         req.finished_at = time.monotonic()
-        out = RequestOutput(req.request_id, finished=True, error=req.error, error_code=req.error_code)
-        search = self._beams.pop(req.request_id, None)
-        if search is not None and search.results():
-            for i, hyp in enumerate(search.results()):
-                text = self.tokenizer.decode(hyp.token_ids, skip_special_tokens=True)
-                reason = FinishReason.STOP if hyp.token_ids and hyp.token_ids[-1] in search.stop_ids \
-                    else FinishReason.LENGTH
-                out.outputs.append(CompletedSeq(i, text, hyp.token_ids, reason))
-        else:
-            for seq in req.seqs:
-                detok = self._detok.pop(seq, None)
-                self._generators.pop(seq, None)
-                text = detok.text if detok is not None else ""
-                reason = seq.finish_reason or FinishReason.CANCELLED
-                out.outputs.append(CompletedSeq(seq.index, text, seq.output_ids, reason,
-                                                list(seq.logprobs) if req.params.logprobs else None))
+        out = RequestOutput(req.request_id, finished=True, error=req.error, error_code=req.error_code,
+                            pinned_hashes=pinned)
+        out.outputs = self._beams.finish(req, self._decode) or [self._completed(req, seq) for seq in req.seqs]
         for seq in req.seqs:
             self._detok.pop(seq, None)
             self._generators.pop(seq, None)
         completion = sum(len(o.token_ids) for o in out.outputs)
         out.usage = Usage(len(req.prompt), req.cached_tokens, completion, req.cached_disk_tokens)
-        start = req.arrival
-        gaps = [1000 * (b - a) for a, b in zip(req.token_times, req.token_times[1:])]
-        out.timings = Timings(
-            queue_ms=1000 * ((req.first_scheduled or req.finished_at) - start),
-            ttft_ms=1000 * (req.first_token - start) if req.first_token is not None else None,
-            total_ms=1000 * (req.finished_at - start),
-            inter_token_ms=gaps,
-        )
+        out.timings = self._timings(req)
         return out
 
+    def _decode(self, token_ids: list[int]) -> str:
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def _completed(self, req: Request, seq: TokenSequence) -> CompletedSeq:
+        detok = self._detok.get(seq)
+        return CompletedSeq(seq.index, detok.text if detok is not None else "", seq.output_ids,
+                            seq.finish_reason or FinishReason.CANCELLED,
+                            list(seq.logprobs) if req.params.logprobs else None)
+
     @staticmethod
-    def _hand_back_table(req: Request) -> None:
-        """A session's request (`keep_table`) keeps its first sample's table, the turn's whole KV,
-        for the session to pin; not when it failed (an error), nor when it never ran."""
-        if not req.keep_table or req.kept_table is not None:
-            return
-        for seq in req.seqs:
-            if seq.index == 0 and seq.table is not None and seq.finish_reason not in (None, FinishReason.ERROR):
-                req.kept_table, seq.table = seq.table, None
-                return
+    def _timings(req: Request) -> Timings:
+        start, end = req.arrival, req.finished_at or time.monotonic()
+        return Timings(
+            queue_ms=1000 * ((req.first_scheduled or end) - start),
+            ttft_ms=1000 * (req.first_token - start) if req.first_token is not None else None,
+            total_ms=1000 * (end - start),
+            inter_token_ms=[1000 * (b - a) for a, b in zip(req.token_times, req.token_times[1:])],
+        )
 
     @staticmethod
     def _merge(first: RequestOutput | None, final: RequestOutput) -> RequestOutput:

@@ -1,13 +1,13 @@
-"""The engine's one door: add a request, stream its outputs, abort it, and what else callers need.
+"""The engine's one door: add a request, stream its outputs, abort it, and send it commands.
 
 `EngineCore` runs on one dedicated thread, which alone touches the block pool, the tables
 and the KV tensors. Code outside `chatcore.engine` holds an `InferenceEngine` and nothing of the
 core (tests/test_import_graph.py checks): the model's constants (`block_size`, `max_context`,
-`salt`, ...) are read from here; everything that reads or changes the pool runs on the engine
-thread, between two steps, through `on_thread` (with `blocks`, the engine-thread operations on
-the pool's blocks) or `stats`, and its result comes back on the caller's event loop (`check_fits`
-reads only the pool's size). Leaving a stream early (the consumer is cancelled or stops
-iterating) aborts the request, so its blocks are always released.
+`salt`, ...) are read from here; everything that reads or changes the pool is a typed command
+(`chatcore/engine/commands.py`) that `send` hands to the engine thread, which handles it between
+two steps; its result comes back on the caller's event loop. No caller code runs on the engine
+thread (`check_fits` reads only the pool's size, on the caller's). Leaving a stream early (the
+consumer is cancelled or stops iterating) aborts the request, so its blocks are always released.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -25,22 +26,20 @@ import torch
 from chatcore import openmp
 from chatcore.cache.pool import PoolStats
 from chatcore.config import Settings
-from chatcore.engine.block_ops import BlockOps
+from chatcore.engine.command_handlers import CommandHandlers
+from chatcore.engine.commands import Abort, AddRequest, Command, SessionPrefix, Stats
 from chatcore.engine.core import EngineCore
-from chatcore.engine.errors import describe_failure
+from chatcore.engine.errors import PrefixOnDisk, describe_failure
 from chatcore.engine.grammar import Grammars
 from chatcore.engine.outputs import RequestOutput
 from chatcore.engine.request import Request, SamplingParams
-from chatcore.models.loader import LoadedModel, load_model
+from chatcore.models.loader import LoadedModel
 from chatcore.outcomes import ErrorCode, FinishReason
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_WAIT_S = 0.05
-# Called on the engine thread with a number of blocks wanted available, before admission gives up
-# or a running request is preempted, and a function that counts the blocks available now: the
-# sessions layer releases idle pins until that count reaches the number (`PinRegistry.reclaim`).
-Reclaim = Callable[[int, Callable[[], int]], object]
+PIN_TENDING_S = 0.1  # how often the engine thread expires and trims the sessions' pins
 
 
 class EngineStopped(RuntimeError):
@@ -57,8 +56,8 @@ class _Stream:
 
 
 class InferenceEngine:
-    def __init__(self, core: EngineCore, reclaim: Reclaim | None = None) -> None:
-        self.core = core
+    def __init__(self, core: EngineCore) -> None:
+        self._core = core
         # Constants, read before the engine thread starts, so that any thread may use them.
         self.loaded: LoadedModel = core.loaded
         self.tokenizer: Any = core.tokenizer
@@ -68,13 +67,12 @@ class InferenceEngine:
         self.kv_dtype: torch.dtype = core.kv.dtype
         # Compiles `response_format`s: thread-safe, and slow (compile off the event loop).
         self.grammars: Grammars = core.grammars
-        # Engine-thread operations on the pool's blocks, for functions run by `on_thread`.
-        self.blocks = BlockOps(core)
-        if reclaim is not None:
-            pool = core.pool
-            core.scheduler.reclaim = lambda wanted: reclaim(wanted, lambda: pool.num_available)
-        # The scheduler's count, published by the engine thread after each step: read on the event loop.
+        self._handlers = CommandHandlers(core, self._dispatch)
+        # Published by the engine thread (after each step, and each command, before its result): read
+        # on the event loop. The scheduler's count, and the sessions whose chains are pinned.
         self.preemptions = 0
+        self.pinned_sessions: frozenset[str] = frozenset()
+        self._pins_tended = 0.0
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -89,7 +87,6 @@ class InferenceEngine:
         # when no command is queued and no request awaits a first token: never set too early.
         self.prefill_quiet = threading.Event()
         self.prefill_quiet.set()
-        self.housekeeping: list[Callable[[], None]] = []
         # Why the last step failed, set by the engine thread and cleared when a step computes again:
         # readiness reads it (chatcore/engine/warmup.py).
         self.failure: str | None = None
@@ -98,18 +95,18 @@ class InferenceEngine:
         self.on_device_lost: Callable[[str], None] | None = None
 
     @classmethod
-    def from_settings(cls, settings: Settings, loaded: LoadedModel | None = None,
-                      reclaim: Reclaim | None = None) -> InferenceEngine:
+    def launch(cls, settings: Settings, loaded: LoadedModel) -> InferenceEngine:
+        """Build the core over a loaded model (`chatcore.models.loader.load_model`) and start its thread."""
         if settings.threads:
             torch.set_num_threads(settings.threads)
-        engine = cls(EngineCore(loaded or load_model(settings), settings), reclaim)
+        engine = cls(EngineCore(loaded, settings))
         openmp.release_team()  # building the core ran parallel ops here; the engine thread computes
         engine.start()
         return engine
 
     def salt(self, scope_key: str = "global") -> bytes:
         """The cache salt of a scope: the block hashes of its requests and of its sessions' chains."""
-        return self.core.salt(scope_key)
+        return self._core.salt(scope_key)
 
     # ----- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -127,22 +124,9 @@ class InferenceEngine:
         while not self._stopping:
             try:
                 self._drain_commands()
-                for task in self.housekeeping:
-                    task()
+                self._tend_pins()
                 self._publish_quiet()
-                computed = False
-                if self.core.has_work:
-                    before = self.core.steps
-                    outputs = self.core.step()
-                    computed = self.core.steps != before
-                    if computed or self.core.step_failure is not None:  # a step that ran the model, or failed to
-                        self.failure = self.core.step_failure
-                    if self.core.device_lost is not None:
-                        self._lose_device(self.core.device_lost)
-                    self.preemptions = self.core.scheduler.preemptions
-                    for out in outputs:
-                        self._dispatch(out)
-                    self._publish_quiet()
+                computed = self._core.has_work and self._step()
                 if not computed:
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
@@ -158,6 +142,35 @@ class InferenceEngine:
                 log.exception("engine command failed at shutdown")
         self._fail_all(EngineStopped("the engine is shutting down"))
         self.prefill_quiet.set()  # nothing will compute again: let the waiting writers go
+
+    def _step(self) -> bool:
+        """One step of the core, its outputs to their streams; whether it ran the model."""
+        core = self._core
+        before = core.steps
+        outputs = core.step()
+        computed = core.steps != before
+        if computed or core.step_failure is not None:  # a step that ran the model, or failed to
+            self.failure = core.step_failure
+        if core.device_lost is not None:
+            self._lose_device(core.device_lost)
+        self.preemptions = core.scheduler.preemptions
+        for out in outputs:
+            self._dispatch(out)
+        self._publish_pins()
+        self._publish_quiet()
+        return computed
+
+    def _tend_pins(self) -> None:
+        now = time.monotonic()
+        if now - self._pins_tended >= PIN_TENDING_S:
+            self._pins_tended = now
+            self._core.tend_pins()
+            self._publish_pins()
+
+    def _publish_pins(self) -> None:
+        pinned = self._core.kv_cache.pinned_sessions
+        if len(pinned) != len(self.pinned_sessions) or not self.pinned_sessions.issuperset(pinned):
+            self.pinned_sessions = frozenset(pinned)
 
     def _lose_device(self, cause: str) -> None:
         """Stop taking work (each later call gets `EngineStopped`), and tell the server."""
@@ -176,7 +189,7 @@ class InferenceEngine:
             command()
 
     def _publish_quiet(self) -> None:
-        if self.core.awaiting_first_token:
+        if self._core.awaiting_first_token:
             self.prefill_quiet.clear()
             return
         with self._submit_lock:  # a request submitted meanwhile is still in the queue
@@ -191,10 +204,10 @@ class InferenceEngine:
             stream.put(out)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for request_id in list(self.core.requests):
-            self.core.requests[request_id].fail(ErrorCode.INTERNAL, str(exc), FinishReason.ERROR)
+        for request_id in list(self._core.requests):
+            self._core.requests[request_id].fail(ErrorCode.INTERNAL, str(exc), FinishReason.ERROR)
             try:
-                out = self.core.abort(request_id, FinishReason.ERROR)
+                out = self._core.abort(request_id, FinishReason.ERROR)
                 if out is not None:
                     self._dispatch(out)
             except Exception:
@@ -214,16 +227,19 @@ class InferenceEngine:
         self._wake.set()
 
     # ----- the async API ---------------------------------------------------------------------
-    async def call(self, fn: Callable[[EngineCore], T], *, prefill: bool = False) -> T:
-        """Run `fn(core)` on the engine thread between two steps, and return its result. For the
-        engine's own modules and tests; code outside `chatcore.engine` uses `on_thread`.
-        `prefill`: `fn` adds a request (see `prefill_quiet`)."""
+    async def send(self, command: Command[T]) -> T:
+        """Have the engine thread handle `command` between two steps; its result."""
+        return await self._run_on_thread(lambda: self._handlers.handle(command))
+
+    async def _run_on_thread(self, fn: Callable[[], T], *, prefill: bool = False) -> T:
+        """`prefill`: `fn` adds a request (see `prefill_quiet`)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
 
         def command() -> None:
             try:
-                result = fn(self.core)
+                result = fn()
+                self._publish_pins()
             except BaseException as exc:  # delivered to the caller
                 loop.call_soon_threadsafe(_set_exception, future, exc)
             else:
@@ -232,11 +248,6 @@ class InferenceEngine:
         self._submit(command, prefill=prefill)
         return await future
 
-    async def on_thread(self, fn: Callable[[], T]) -> T:
-        """Run `fn()` on the engine thread between two steps, and return its result: where the
-        sessions' pins and `blocks` may be used."""
-        return await self.call(lambda core: fn())
-
     def check_fits(self, request: Request) -> None:
         """`RequestRejected` for a request that can never fit the context or the pool.
 
@@ -244,32 +255,31 @@ class InferenceEngine:
         engine thread changes but a resize, and `generate` checks again when it adds the request.
         A round trip to the engine thread waited for the running step (a prefill chunk: ~200 ms
         on two cores) before a turn could even write its rows."""
-        self.core.scheduler.check_fits(request)
+        self._core.scheduler.check_fits(request)
 
     async def stats(self) -> PoolStats:
         """The pool's blocks by state, counted on the engine thread."""
-        return await self.call(lambda core: core.pool.stats())
+        return await self.send(Stats())
 
-    async def generate(self, request: Request,
-                       admit: Callable[[], bool] | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: Request, prefix: SessionPrefix | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; the last one has `finished` set.
 
-        Raises `RequestRejected` at once for a request that can never fit. `admit`, if given, runs
-        on the engine thread just before the request is added, in the same round trip (each one
-        waits for the running step), and may attach the request's prefix; when it returns False,
-        the request is not added and the stream ends at once, empty.
+        Raises `RequestRejected` at once for a request that can never fit. `prefix`: a session
+        turn's, prepared as the request is added, in the same round trip (each one waits for the
+        running step); `PrefixOnDisk` when it declines, before anything is streamed.
         """
         stream = _Stream(asyncio.get_running_loop())
+        command = AddRequest(request, prefix)
 
-        def add(core: EngineCore) -> bool:
-            if admit is not None and not admit():
-                return False
-            core.add(request)
-            self._streams[request.request_id] = stream
-            return True
+        def add() -> int | None:
+            declined = self._handlers.handle(command)
+            if declined is None:
+                self._streams[request.request_id] = stream
+            return declined
 
-        if not await self.call(add, prefill=True):
-            return
+        declined = await self._run_on_thread(add, prefill=True)
+        if declined is not None:
+            raise PrefixOnDisk(declined)
         finished = False
         try:
             while True:
@@ -287,21 +297,15 @@ class InferenceEngine:
 
     def _abort_now(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
-        self.core.abort(request_id)
+        self._core.abort(request_id)
 
     async def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request in any state; its stream ends with finish reason `cancelled`."""
-
-        def abort(core: EngineCore) -> RequestOutput | None:
-            out = core.abort(request_id)
-            if out is not None:
-                self._dispatch(out)
-            return out
-
-        return await self.call(abort)
+        output: RequestOutput | None = await self.send(Abort(request_id))
+        return output
 
     def make_request(self, prompt: list[int], params: SamplingParams, **kwargs: Any) -> Request:
-        return self.core.make_request(prompt, params, **kwargs)
+        return self._core.make_request(prompt, params, **kwargs)
 
     def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of `messages` (and `tools`, for a template that takes them) rendered by the model's

@@ -12,6 +12,15 @@ class QueueFull(RuntimeError):
     """The waiting queue is at its bound: try again later (a `busy`, not a request error)."""
 
 
+class PrefixOnDisk(Exception):
+    """A session turn's add declined (`SessionPrefix.disk_tier`): the pool holds only `device_blocks` of
+    its prompt's full blocks, and the disk tier may hold more. Read them, then add it again with them."""
+
+    def __init__(self, device_blocks: int) -> None:
+        super().__init__(f"the pool holds {device_blocks} of the prompt's blocks; the disk tier may hold more")
+        self.device_blocks = device_blocks
+
+
 def describe_failure(exc: BaseException, limit: int = 300) -> str:
     """An exception in one line for an operator: its type and the first line of its message."""
     lines = str(exc).strip().splitlines()

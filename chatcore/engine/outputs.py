@@ -66,3 +66,5 @@ class RequestOutput:
     error: str | None = None  # for people; `error_code` is what callers act on
     error_code: ErrorCode | None = None
     preempted: bool = False
+    # A session's turn: the hashes of the chain its table, now the session's pin, holds (for the disk tier).
+    pinned_hashes: list[bytes] = field(default_factory=list)

@@ -150,11 +150,9 @@ class Request:
     # Prompt tokens served from the cache at first admission (device), and from the disk tier.
     cached_tokens: int = 0
     cached_disk_tokens: int = 0
-    # A table the caller hands over (a hot session's chain): it covers a prefix of `prompt`.
-    prefix_table: BlockTable | None = None
-    # Keep the best sequence's table on finish instead of releasing it (the session pins it).
-    keep_table: bool = False
-    kept_table: BlockTable | None = None
+    # The session whose turn this is: when it ends well, its first sample's table becomes the
+    # session's pin (`KVCacheManager.free`) instead of being released.
+    session_id: str | None = None
     forked: bool = False
     preemptions: int = 0
     waiting_since: float = field(default_factory=time.monotonic)

@@ -62,6 +62,34 @@ class _Packer:
     def take(self, device_values: torch.Tensor, index: int) -> torch.Tensor:
         return device_values[self.offsets[index]: self.offsets[index + 1]]
 
+    def add_copies(self, copies: list[tuple[int, int]]) -> tuple[int, int] | None:
+        """The step's copy-on-write pairs as two arrays (sources, destinations); None when there are none."""
+        if not copies:
+            return None
+        return self.add([c[0] for c in copies]), self.add([c[1] for c in copies])
+
+    def copy_blocks(self, kv: KVTensors, device_values: torch.Tensor, at: tuple[int, int] | None) -> None:
+        """Run the copies `add_copies` packed, before anything writes the step's KV."""
+        if at is not None:
+            kv.copy_blocks(self.take(device_values, at[0]).long(), self.take(device_values, at[1]).long())
+
+
+def _token_rows(entries: list[ScheduledSeq]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The step's packed row: token ids, positions and KV slots of every entry's chunk, and the rows
+    whose logits sample (each sampling entry's last)."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    sample_rows: list[int] = []
+    for entry in entries:
+        end = entry.start + entry.num_tokens
+        ids.extend(entry.seq.tokens[entry.start: end])
+        positions.extend(range(entry.start, end))
+        slots.extend(entry.slots)
+        if entry.samples:
+            sample_rows.append(len(ids) - 1)
+    return ids, positions, slots, sample_rows
+
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, kv: KVTensors) -> None:
@@ -102,24 +130,14 @@ class ModelRunner:
         size = graphs.size_for(len(plan.decode)) if graphs is not None and plan.decode and not plan.prefill else None
         if size is not None and max(e.start for e in plan.decode) < graphs.width * self.block_size:  # type: ignore[union-attr]
             return self._replay(plan, size)
+        return self._eager(plan)
+
+    def _eager(self, plan: StepPlan) -> torch.Tensor:
+        """Any step through the model's own modules: one upload of every index, the block copies, one forward."""
         bs = self.block_size
         pack = _Packer()
-        copies = plan.copies
-        copy_src = pack.add([c[0] for c in copies])
-        copy_dst = pack.add([c[1] for c in copies])
-        entries = plan.decode + plan.prefill
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        for entry in entries:
-            end = entry.start + entry.num_tokens
-            ids.extend(entry.seq.tokens[entry.start: end])
-            positions.extend(range(entry.start, end))
-            slots.extend(entry.slots)
-            if entry.samples:
-                sample_rows.append(len(ids) - 1)
-        ids_at, positions_at, slots_at, rows_at = pack.add(ids), pack.add(positions), pack.add(slots), pack.add(sample_rows)
+        copy_at = pack.add_copies(plan.copies)
+        ids_at, positions_at, slots_at, rows_at = (pack.add(rows) for rows in _token_rows(plan.decode + plan.prefill))
         decode = plan.decode
         decode_width = max(-(-(e.start + 1) // bs) for e in decode) if decode else 0
         decode_tables = pack.add(_block_tables(decode, decode_width))
@@ -133,8 +151,7 @@ class ModelRunner:
         def long(index: int) -> torch.Tensor:
             return pack.take(values, index).long()
 
-        if copies:
-            self.kv.copy_blocks(long(copy_src), long(copy_dst))
+        pack.copy_blocks(self.kv, values, copy_at)
         meta = StepMeta(
             kv=self.kv,
             slot_mapping=long(slots_at),
@@ -154,14 +171,11 @@ class ModelRunner:
         assert self.graphs is not None
         decode = plan.decode
         pack = _Packer()
-        copies = plan.copies
-        copy_src = pack.add([c[0] for c in copies])
-        copy_dst = pack.add([c[1] for c in copies])
+        copy_at = pack.add_copies(plan.copies)
         width = max(-(-(e.start + 1) // self.block_size) for e in decode)
         layout = pack.add(host_layout(size, self.graphs.width, [e.seq.tokens[e.start] for e in decode],
                                       [e.start for e in decode], [e.slots[0] for e in decode],
                                       [e.start + 1 for e in decode], _block_tables(decode, width)))
         values = self.transfers.upload(pack.packed())
-        if copies:
-            self.kv.copy_blocks(pack.take(values, copy_src).long(), pack.take(values, copy_dst).long())
+        pack.copy_blocks(self.kv, values, copy_at)
         return self.graphs.replay(size, pack.take(values, layout), len(decode))

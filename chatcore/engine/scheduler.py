@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from chatcore.cache import BlockPool, BlockTable, longest_prefix
+from chatcore.cache import BlockPool, BlockTable
 from chatcore.engine.errors import QueueFull, RequestRejected
+from chatcore.engine.kv_manager import KVCacheManager
 from chatcore.engine.request import Request, RequestState, TokenSequence
 from chatcore.outcomes import ErrorCode, FinishReason
 
@@ -72,10 +72,12 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, *, max_batch_tokens: int, max_num_seqs: int,
+    def __init__(self, kv_cache: KVCacheManager, *, max_batch_tokens: int, max_num_seqs: int,
                  max_queue_wait_s: float, max_context: int, max_waiting: int = 1024) -> None:
-        self.pool = pool
-        self.block_size = pool.block_size
+        """`kv_cache`: the owner of every table the scheduler gives a sequence or takes back."""
+        self.kv_cache = kv_cache
+        self.pool: BlockPool = kv_cache.pool
+        self.block_size = kv_cache.block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
         self.max_queue_wait_s = max_queue_wait_s
@@ -85,9 +87,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.preemptions = 0
         self._budget = 0
-        # Called with a number of blocks wanted available, before admission gives up or any
-        # running request is preempted: the sessions layer releases idle pins here.
-        self.reclaim: Callable[[int], None] | None = None
 
     # ----- admission control -----------------------------------------------------------------
     def worst_case_blocks(self, req: Request) -> int:
@@ -127,35 +126,24 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # ----- releasing ---------------------------------------------------------------------------
-    def release_seq(self, seq: TokenSequence) -> None:
-        if seq.table is not None:
-            seq.table.release()
-            seq.table = None
-        seq.num_computed = 0
-
+    # ----- leaving the queues ------------------------------------------------------------------
     def remove(self, req: Request) -> None:
-        """Take a request out of the queues and release every table it holds (any state)."""
+        """Take a request out of the queues (any state); `KVCacheManager.free` releases its tables."""
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
-        if req.prefix_table is not None and not req.prefix_table.released:
-            req.prefix_table.release()
-        req.prefix_table = None
-        for seq in req.seqs:
-            self.release_seq(seq)
         req.state = RequestState.FINISHED
 
     def preempt(self, req: Request) -> None:
         """Release a running request's blocks; it waits at the front and recomputes."""
         self.running.remove(req)
+        for seq in req.seqs:
+            self.kv_cache.free_seq(seq)
         if req.params.beam_width > 1:
             # Beams stream nothing until the end: restart the search from the prompt.
             req.seqs = [TokenSequence(0, list(req.prompt), len(req.prompt))]
             req.forked = False
-        for seq in req.seqs:
-            self.release_seq(seq)
         req.state = RequestState.WAITING
         req.preemptions += 1
         req.waiting_since = time.monotonic()
@@ -191,7 +179,7 @@ class Scheduler:
                 count = min(seq.to_compute, self._budget)
                 if count <= 0:
                     continue
-                if not self._make_room(seq.table.blocks_needed(count), req, plan):
+                if not self._make_room(self.kv_cache.blocks_needed(seq, count), req, plan):
                     break
                 entries.append(self._reserve(req, seq, count))
                 self._budget -= count
@@ -203,8 +191,8 @@ class Scheduler:
 
     def _make_room(self, needed: int, req: Request, plan: StepPlan) -> bool:
         """Preempt youngest-first until `needed` blocks are available; False if `req` itself went."""
-        if not self.pool.can_allocate(needed) and self.reclaim is not None:
-            self.reclaim(needed)
+        if not self.pool.can_allocate(needed):
+            self.kv_cache.reclaim(needed)
         while not self.pool.can_allocate(needed):
             victim = self.running[-1]
             self._budget += plan.drop(victim)
@@ -215,9 +203,8 @@ class Scheduler:
         return True
 
     def _reserve(self, req: Request, seq: TokenSequence, count: int) -> ScheduledSeq:
-        assert seq.table is not None
         start = seq.num_computed
-        slots, copies = seq.table.append_slots(count)
+        slots, copies = self.kv_cache.allocate_slots(seq, count)
         return ScheduledSeq(req, seq, start, count, slots, copies)
 
     def _admit(self, plan: StepPlan) -> None:
@@ -228,24 +215,21 @@ class Scheduler:
             seqs = req.live_seqs
             if self.num_running_seqs + len(seqs) > self.max_num_seqs:
                 break
-            given = req.prefix_table
-            tables = self._prefix_tables(req, seqs)
+            tables = self.kv_cache.computed_tables(req, seqs)
             if self._next_block_inflight(req, tables[0], inflight):
-                self._unwind(req, given, tables)
+                self.kv_cache.unwind(req, tables)
                 deferred.append(self.waiting.popleft())
                 continue
             needed = sum(-(-len(s.tokens) // self.block_size) - len(t) for s, t in zip(seqs, tables, strict=True))
             fits = self.pool.can_admit(needed) or (not self.running and self.pool.can_allocate(needed))
-            if not fits and self.reclaim is not None:
-                self.reclaim(needed + self.pool.low_watermark_blocks)
+            if not fits:
+                self.kv_cache.reclaim(needed + self.pool.low_watermark_blocks)
                 fits = self.pool.can_admit(needed)
             if not fits:
-                self._unwind(req, given, tables)
+                self.kv_cache.unwind(req, tables)
                 break
             self.waiting.popleft()
-            for seq, table in zip(seqs, tables, strict=True):
-                seq.table = table
-                seq.num_computed = table.num_tokens
+            self.kv_cache.admit(req, seqs, tables)
             if req.first_scheduled is None:
                 req.first_scheduled = time.monotonic()
                 req.cached_tokens = seqs[0].num_computed
@@ -259,15 +243,6 @@ class Scheduler:
                 self._budget -= count
             inflight.update(self._inflight(req))
         self.waiting.extendleft(reversed(deferred))
-
-    @staticmethod
-    def _unwind(req: Request, given: BlockTable | None, tables: list[BlockTable]) -> None:
-        """Give back the tables `_prefix_tables` took for a request that stays waiting."""
-        for table in tables:
-            if table is given:
-                req.prefix_table = given
-            else:
-                table.release()
 
     def _inflight(self, req: Request) -> list[bytes]:
         """Hashes of the prompt blocks a running request is computing and has not committed yet."""
@@ -286,25 +261,5 @@ class Scheduler:
         if not inflight:
             return False
         hashes = req.prompt_hashes(self.block_size)
-        reusable = min(len(hashes), (len(req.prompt) - 1) // self.block_size)  # as in `_prefix_tables`
+        reusable = min(len(hashes), (len(req.prompt) - 1) // self.block_size)  # as in `computed_tables`
         return len(table) < reusable and hashes[len(table)] in inflight
-
-    def _prefix_tables(self, req: Request, seqs: list[TokenSequence]) -> list[BlockTable]:
-        """Each sequence's starting table: the handed-over session chain, or a prefix-cache hit.
-
-        At least one token is always left to compute, since its logits start the answer.
-        """
-        tables: list[BlockTable] = []
-        for seq in seqs:
-            given = req.prefix_table if seq.index == 0 else None
-            if given is not None:
-                req.prefix_table = None
-                if given.num_tokens < len(seq.tokens):
-                    given.owner = f"{req.request_id}/{seq.index}"
-                    tables.append(given)
-                    continue
-                given.release()
-            max_blocks = (len(seq.tokens) - 1) // self.block_size
-            ids, hashes = longest_prefix(self.pool.find, seq.tokens, self.block_size, req.salt, max_blocks)
-            tables.append(BlockTable.from_prefix(self.pool, ids, hashes, owner=f"{req.request_id}/{seq.index}"))
-        return tables

@@ -62,7 +62,7 @@ class Readiness:
 
     async def check(self) -> None:
         try:
-            await self.engine.on_thread(lambda: None)
+            await self.engine.stats()
         except EngineStopped as exc:
             raise NotReady(describe_failure(exc)) from exc
         failure = self.engine.failure

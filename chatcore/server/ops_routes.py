@@ -14,6 +14,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from sqlalchemy import func, select
 
+from chatcore.engine.commands import BlockMap
 from chatcore.engine.warmup import NotReady
 from chatcore.periodic import Periodic
 from chatcore.server.auth import Principal
@@ -116,7 +117,7 @@ async def admin_cache(services: Services, principal: Principal) -> dict[str, Any
         raise ApiError("unauthorized", "the admin routes need an admin key")
     live = services.sessions.live
     request_sessions = {s.request_id: s.id for s in live.values() if s.request_id}
-    result = await services.engine.on_thread(lambda: services.engine.blocks.block_map(request_sessions))
+    result = await services.engine.send(BlockMap(request_sessions))
     titles = {s.id: s.title for s in live.values()}
     for item in result["sessions"]:
         item["title"] = titles.get(item["id"], "")

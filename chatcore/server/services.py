@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from chatcore.config import Settings
+from chatcore.engine.commands import NumBlocks
 from chatcore.engine.engine import InferenceEngine
 from chatcore.engine.warmup import NotReady, Readiness, warm_up
 from chatcore.kv.sizing import describe, disk_budget_bytes, holds
@@ -26,8 +27,8 @@ from chatcore.models.loader import LoadedModel, load_model
 from chatcore.outcomes import FinishReason
 from chatcore.sessions.disk_tier import DiskTier
 from chatcore.sessions.manager import SessionManager
-from chatcore.sessions.pins import PinRegistry
 from chatcore.sessions.policy import EvictionPolicy
+from chatcore.sessions.residency import Residency
 from chatcore.sessions.turns import TurnRunner
 from chatcore.store.db import create_engine, create_sessionmaker, migrate
 from chatcore.store.repos import Repos
@@ -45,6 +46,7 @@ class Services:
     metrics: Metrics
     sessions: SessionManager
     turns: TurnRunner
+    residency: Residency
     policy: EvictionPolicy
     disk: DiskTier | None
     local_tenant_id: str
@@ -67,8 +69,7 @@ class Services:
         async with sessionmaker() as session, session.begin():
             local = await Repos(session).tenants.get_or_create_tenant(LOCAL_TENANT)
         loaded = loaded or await asyncio.to_thread(load_model, settings)
-        pins = PinRegistry(settings.hot_window_s)
-        engine = await asyncio.to_thread(InferenceEngine.from_settings, settings, loaded, pins.reclaim)
+        engine = await asyncio.to_thread(InferenceEngine.launch, settings, loaded)
         engine.on_device_lost = on_device_lost
         try:
             await warm_up(engine)
@@ -88,15 +89,16 @@ class Services:
         log.info("engine: %s on %s in %s; KV tiers: %s; %s", loaded.path.name, loaded.device, loaded.dtype_name,
                  describe("device pool", tiers["device"]),
                  describe("disk tier", tiers["disk"]) if tiers["disk"] else "no disk tier")
-        manager = SessionManager(engine, sessionmaker, settings, metrics, pins, disk)
+        manager = SessionManager(engine, sessionmaker, settings, metrics, disk)
         interrupted = await manager.mark_interrupted()
         if interrupted:
             log.warning("%d turn(s) were interrupted by the last shutdown", interrupted)
-        policy = EvictionPolicy(manager, engine, pins, settings)
+        policy = EvictionPolicy(manager, engine, settings)
         policy.start()
         manager.leases.start()
-        turns = TurnRunner(manager, engine, pins, disk, settings, metrics)
-        return cls(settings, db, sessionmaker, engine, metrics, manager, turns, policy, disk, local.id,
+        residency = Residency(manager, engine, disk)
+        turns = TurnRunner(manager, engine, residency, settings, metrics)
+        return cls(settings, db, sessionmaker, engine, metrics, manager, turns, residency, policy, disk, local.id,
                    loaded.path.name, tiers, Readiness(engine))
 
     def limits(self) -> dict[str, int]:
@@ -111,7 +113,7 @@ class Services:
                 await self.turns.cancel(state, FinishReason.DISCONNECTED)
         running = [s.running for s in self.sessions.live.values() if s.running is not None]
         await asyncio.gather(*running, return_exceptions=True)
-        await asyncio.gather(*self.turns.background, return_exceptions=True)
+        await asyncio.gather(*self.turns.background, *self.residency.background, return_exceptions=True)
         # Prefetches read through the disk tier into the engine, both closed below.
         await asyncio.gather(*[s.prefetching for s in self.sessions.live.values() if s.prefetching is not None],
                              return_exceptions=True)
@@ -128,7 +130,7 @@ async def kv_tiers(engine: InferenceEngine, disk_bytes: int) -> dict[str, Any]:
     loaded = engine.loaded
     per_token = KVTensors.bytes_per_block(loaded.num_layers, 1, loaded.num_kv_heads, loaded.head_dim, engine.kv_dtype)
     per_block = per_token * engine.block_size
-    num_blocks = await engine.on_thread(lambda: engine.blocks.num_blocks)
+    num_blocks = await engine.send(NumBlocks())
     device = {"device": str(loaded.device), "model_dtype": loaded.dtype_name,
               "dtype": str(engine.kv_dtype).removeprefix("torch."), "blocks": num_blocks,
               **holds(num_blocks * per_block, per_token)}

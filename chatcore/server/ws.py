@@ -224,7 +224,7 @@ class Connection:
                                                 id_hint=self.socket.headers.get("x-chatcore-new-session"))
         else:
             state = await manager.resume(self.principal.tenant_id, session_id, token)
-            self.services.turns.prefetch(state)
+            self.services.residency.prefetch(state)
         if self.closed:  # its key was revoked meanwhile
             return
         self.attach(state)

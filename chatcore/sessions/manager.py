@@ -2,7 +2,8 @@
 
 A session is hot (its chain pinned in the pool), warm (in memory, unpinned: its full blocks
 cached-free in the pool's LRU) or cold (rows in SQLite only). Running turns live in
-`chatcore.sessions.turns`; eviction in `chatcore.sessions.policy`.
+`chatcore.sessions.turns`; where a session's KV lives in `chatcore.sessions.residency`; going cold
+in `chatcore.sessions.policy`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from chatcore.cache import chain_hashes
 from chatcore.config import Settings
+from chatcore.engine.commands import DropSession, PinnedBlocks, Unpin
 from chatcore.engine.engine import InferenceEngine
 from chatcore.engine.token_logprobs import TokenTexts
 from chatcore.metrics import Metrics
@@ -26,7 +28,6 @@ from chatcore.outcomes import FinishReason
 from chatcore.sessions.disk_tier import DiskTier
 from chatcore.sessions.frames import TurnFrames
 from chatcore.sessions.leases import LeaseKeeper
-from chatcore.sessions.pins import PinRegistry
 from chatcore.sessions.report import done_frame, timing, usage
 from chatcore.sessions.state import HISTORY_REASONS, SessionState
 from chatcore.sessions.template import ChatTemplate
@@ -70,8 +71,7 @@ SESSION_ID = re.compile(r"[A-Za-z0-9_-]{22}|[0-9a-f]{32}")
 
 class SessionManager:
     def __init__(self, engine: InferenceEngine, sessionmaker: async_sessionmaker[AsyncSession], settings: Settings,
-                 metrics: Metrics, pins: PinRegistry, disk: DiskTier | None = None) -> None:
-        """`pins`: the registry whose `reclaim` the engine was built with (`InferenceEngine`'s hook)."""
+                 metrics: Metrics, disk: DiskTier | None = None) -> None:
         self.engine = engine
         self.sessionmaker = sessionmaker
         self.settings = settings
@@ -82,7 +82,6 @@ class SessionManager:
         self.template = ChatTemplate(loaded.tokenizer, loaded.stop_token_ids)
         self.token_texts = TokenTexts(loaded.tokenizer)  # log-probs' token texts, for every route
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatcore-tokenize")
-        self.pins = pins
         self.live: dict[str, SessionState] = {}
         self.active_turns: Counter[str] = Counter()
         self._loading: dict[str, asyncio.Lock] = {}
@@ -167,11 +166,11 @@ class SessionManager:
             previous = await self._take_lease(state.tenant_id, state.id)
         except NotFound:
             self.live.pop(state.id, None)
-            await self.engine.on_thread(lambda: self.pins.release(state.id))
+            await self.engine.send(Unpin(state.id))
             raise
         if previous != self.leases.replica_id and not state.turn_running:
             fresh = await self._read(state.tenant_id, state.id)
-            await self.engine.on_thread(lambda: self.pins.release(state.id))  # its KV may be stale
+            await self.engine.send(Unpin(state.id))  # its KV may be stale
             for name in ("title", "system_prompt", "tokens", "messages", "window_start", "turn_count", "next_seq",
                          "current"):
                 setattr(state, name, getattr(fresh, name))
@@ -274,7 +273,7 @@ class SessionManager:
             await self.engine.abort(state.request_id)
             if state.running is not None:
                 await asyncio.gather(state.running, return_exceptions=True)
-        await self.engine.on_thread(lambda: (self.pins.release(session_id), self.engine.blocks.drop_group(session_id)))
+        await self.engine.send(DropSession(session_id))
         async with self.sessionmaker() as db, db.begin():
             if not await Repos(db).sessions.delete(tenant_id, session_id):
                 raise NotFound("no such session")
@@ -292,7 +291,7 @@ class SessionManager:
         } for r in rows]
 
     def state_of(self, session_id: str, stored: str = "cold") -> str:
-        if session_id in self.pins or (session_id in self.live and self.live[session_id].turn_running):
+        if session_id in self.engine.pinned_sessions or (session_id in self.live and self.live[session_id].turn_running):
             return "hot"
         if session_id in self.live:
             return "warm"
@@ -307,7 +306,7 @@ class SessionManager:
             turns = await repos.turns.list_turns(session_id)
             chain = await repos.chains.load_chain(session_id)
         state = self.live.get(session_id)
-        pinned = await self.engine.on_thread(lambda: len(t) if (t := self.pins.tables().get(session_id)) else 0)
+        pinned = await self.engine.send(PinnedBlocks(session_id))
         history = []
         for turn in turns:
             item: dict[str, Any] = {"role": turn.role, "content": turn.content}
@@ -344,7 +343,7 @@ class SessionManager:
 
     async def go_cold(self, state: SessionState) -> None:
         """Write what rebuilds the session (one transaction), then drop it from memory."""
-        await self.engine.on_thread(lambda: self.pins.release(state.id))
+        await self.engine.send(Unpin(state.id))
         async with self.sessionmaker() as db, db.begin():
             repos = Repos(db)
             if not await repos.leases.release(self.leases.replica_id, [state.id]):

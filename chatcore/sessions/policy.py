@@ -1,9 +1,9 @@
 """The eviction policy: hot -> warm -> cold.
 
-* hot -> warm (engine thread, every loop): a pin expires after `hot_window_s`; the least
-  recently pinned go first when there are more than `max_hot_sessions` pins, or when pins
+* hot -> warm (the engine, `KVCacheManager.tend_pins`): a pin expires after `hot_window_s`; the
+  least recently pinned go first when there are more than `max_hot_sessions` pins, or when pins
   hold more than `pinned_kv_fraction` of the pool; and under allocation pressure the
-  scheduler reclaims pins before it preempts anything (`PinRegistry.reclaim`).
+  scheduler reclaims pins before it preempts anything (`KVCacheManager.reclaim`).
 * warm -> cold (event loop, every `interval_s`): a session idle for `warm_idle_s` with no
   turn running is written to SQLite (chain and state, one transaction) and only then
   dropped from memory. Its full blocks stay in the pool's LRU, and on disk, for its return.
@@ -21,38 +21,16 @@ from chatcore.config import Settings
 from chatcore.engine.engine import InferenceEngine
 from chatcore.periodic import Periodic
 from chatcore.sessions.manager import SessionManager
-from chatcore.sessions.pins import PinRegistry
 
 
 class EvictionPolicy:
-    def __init__(self, sessions: SessionManager, engine: InferenceEngine, pins: PinRegistry, settings: Settings,
+    def __init__(self, sessions: SessionManager, engine: InferenceEngine, settings: Settings,
                  interval_s: float = 1.0) -> None:
-        """`sessions`: the live sessions, and how one goes cold; `pins`: their pinned chains."""
+        """`sessions`: the live sessions, and how one goes cold; `engine`: which of them are pinned."""
         self.sessions = sessions
         self.engine = engine
-        self.pins = pins
         self.settings = settings
-        self._last_engine_pass = 0.0
         self._periodic = Periodic("eviction pass", interval_s, self.demote_idle)
-        engine.housekeeping.append(self.engine_pass)
-
-    def engine_pass(self) -> None:
-        """On the engine thread: expire and trim pins (at most every 100 ms)."""
-        now = time.monotonic()
-        if now - self._last_engine_pass < 0.1:
-            return
-        self._last_engine_pass = now
-        pins = self.pins
-        pins.expire(now)
-        pins.trim(self.settings.max_hot_sessions)
-        limit = int(self.settings.pinned_kv_fraction * self.engine.blocks.num_blocks)
-        tables = pins.tables()
-        pinned = sum(len(t) for t in tables.values())
-        for session_id, table in tables.items():
-            if pinned <= limit:
-                break
-            pinned -= len(table)
-            pins.release(session_id)
 
     def start(self) -> None:
         self._periodic.start()
@@ -65,7 +43,7 @@ class EvictionPolicy:
         now = now if now is not None else time.monotonic()
         idle = [s for s in self.sessions.live.values()
                 if not s.turn_running and now - s.last_active >= self.settings.warm_idle_s
-                and s.id not in self.pins]
+                and s.id not in self.engine.pinned_sessions]
         demoted: list[str] = []
         for state in idle:
             async with state.lock:

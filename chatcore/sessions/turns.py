@@ -1,4 +1,4 @@
-"""Running one turn of a session: prompt, prefix, stream, persist, pin.
+"""Running one turn of a session: prompt, prefix, stream, persist, notify.
 
 Order of a turn:
 1. The new user turn's tokens are appended to the canonical history (only those tokens).
@@ -8,8 +8,8 @@ Order of a turn:
 4. Tokens stream as frames. A cancel or a disconnect aborts the request.
 5. The answer's ids join the history with the template's end-of-turn tokens; the turn, the
    chain and the last frame number are written in one transaction, and only then is `done`
-   sent. The request's table becomes the session's pin; new full blocks go to the disk tier
-   in the background.
+   sent. The engine pinned the request's table under the session; where its KV lives from then
+   on is `chatcore.sessions.residency`'s to decide.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from contextlib import aclosing
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from chatcore.cache import chain_hashes
-from chatcore.engine.errors import QueueFull, RequestRejected
+from chatcore.engine.commands import SessionPrefix
+from chatcore.engine.errors import PrefixOnDisk, QueueFull, RequestRejected
 from chatcore.engine.grammar import GrammarBusy, GrammarError
 from chatcore.engine.outputs import RequestOutput
 from chatcore.engine.request import Request, SamplingParams
@@ -42,23 +42,20 @@ if TYPE_CHECKING:
     from chatcore.config import Settings
     from chatcore.engine.engine import InferenceEngine
     from chatcore.metrics import Metrics
-    from chatcore.sessions.disk_tier import DiskTier
     from chatcore.sessions.manager import SessionManager
-    from chatcore.sessions.pins import PinRegistry
+    from chatcore.sessions.residency import Residency
 
 log = logging.getLogger(__name__)
-LOOKAHEAD_S = 30.0  # how soon a session must be expected back for a turn to prefetch it (`prefetch_next`)
 
 
 class TurnRunner:
-    def __init__(self, sessions: SessionManager, engine: InferenceEngine, pins: PinRegistry, disk: DiskTier | None,
+    def __init__(self, sessions: SessionManager, engine: InferenceEngine, residency: Residency,
                  settings: Settings, metrics: Metrics) -> None:
         """`sessions`: the sessions turns run in (their leases, rows, histories and tokenizer thread);
-        `pins`: their pinned chains (engine thread only); `disk`: the disk tier, if any."""
+        `residency`: where their KV lives between turns (pins, prefetch, the disk tier)."""
         self.sessions = sessions
         self.engine = engine
-        self.pins = pins
-        self.disk = disk
+        self.residency = residency
         self.settings = settings
         self.metrics = metrics
         self.background: set[asyncio.Task[object]] = set()
@@ -100,7 +97,7 @@ class TurnRunner:
         if not max_tokens_given and len(prompt) < context:
             params = replace(params, max_tokens=min(params.max_tokens, context - len(prompt)))
         req = self.engine.make_request(prompt, params, scope_key=state.scope_key)
-        req.keep_table = True
+        req.session_id = state.id
         try:
             self.engine.check_fits(req)
         except RequestRejected as exc:
@@ -148,10 +145,6 @@ class TurnRunner:
                            max_tokens=max_tokens, context=context, policy=settings.context_policy,
                            low_water=settings.context_low_water)
 
-    async def background_idle(self) -> None:
-        """Wait for the disk-tier writes started so far."""
-        await asyncio.gather(*list(self.background), return_exceptions=True)
-
     async def cancel(self, state: SessionState, reason: FinishReason = FinishReason.CANCELLED) -> None:
         if state.turn_running and state.request_id is not None:
             state.cancel_reason = reason
@@ -184,77 +177,43 @@ class TurnRunner:
         try:  # the tenant's slot is given back whatever happens, a cancellation too
             try:
                 frames.emit({"type": "start", "truncated_turns": window.window_start})
-                prefetched = await self._prefetched(state)
-                admit, uncached = self._admission(state, req, window.use_pin, prefetched)
-                self.prefetch_next(state)
-                # A cancel (or an expired grace period) that came before the request reached the
-                # engine (while its prefetch or its disk read was awaited) found nothing to abort:
-                # honour it here. From here to the engine's `add` nothing awaits, so a later cancel
-                # finds the request.
-                if state.cancel_reason is None:
-                    admitted, final = await self._stream(frames, req, admit)
-                    if not admitted:  # blocks the disk tier may hold: read them back, then add it
-                        install = await self._load_prefix(state, req, uncached[0], prefetched)
-                        if state.cancel_reason is None:
-                            _, final = await self._stream(frames, req, install)
+                final = await self._serve(state, frames, req, window.use_pin)
             except QueueFull:
                 error = ErrorCode.BUSY
             except Exception:  # the turn fails, the session and the server live on
                 log.exception("turn failed in session %s", state.id)
                 error = ErrorCode.INTERNAL
-            try:
-                if req.prefix_table is not None:  # it never reached the engine, which would release it
-                    await self.engine.on_thread(lambda: self.engine.blocks.discard(req))
-            except Exception:  # the engine is stopping: it releases everything itself
-                log.exception("could not release the prefix of a turn in session %s", state.id)
             await self._finish(state, frames, req, content, window, final, error, assistant_id)
         finally:
             self.sessions.active_turns[state.tenant_id] -= 1
             state.request_id = None
             state.last_active = time.monotonic()
 
-    def _admission(self, state: SessionState, req: Request, use_pin: bool,
-                   prefetched: range) -> tuple[Callable[[], bool], list[int]]:
-        """The request's prefix, attached on the engine thread as the request is added (one round
-        trip, `InferenceEngine.generate`'s `admit`): the session's pin if it holds the history, else
-        the pool's cached prefix. Declines (the request is not added) when the disk tier may hold
-        more of the prompt's full blocks; the list then holds how many the pool had.
+    async def _serve(self, state: SessionState, frames: TurnFrames, req: Request,
+                     use_pin: bool) -> RequestOutput | None:
+        """Add the request with the session's prefix and stream it; when the pool lacks blocks the
+        disk tier may hold, read them back and add it again. A cancel (or an expired grace period)
+        that came before the request reached the engine (while its prefetch or its disk read was
+        awaited) found nothing to abort: honour it here. From each check to the engine's add nothing
+        awaits, so a later cancel finds the request."""
+        residency = self.residency
+        prefix = await residency.turn_prefix(state, use_pin)
+        residency.prefetch_next(state)
+        if state.cancel_reason is not None:
+            return None
+        try:
+            return await self._stream(frames, req, prefix)
+        except PrefixOnDisk as declined:
+            prefix = await residency.read_prefix(req, prefix, declined.device_blocks)
+        if state.cancel_reason is not None:
+            return None
+        return await self._stream(frames, req, prefix)
 
-        Tokens count as served by the disk tier only once a table holds their blocks: a prefetched
-        block evicted before the request is scheduled (another prefetch's install, say) served
-        nothing, and counting it made the device's share of the hits negative."""
-        prompt = req.prompt
-        bs = self.engine.block_size
-        max_blocks = (len(prompt) - 1) // bs
-        uncached: list[int] = []
-
-        def admit() -> bool:
-            table = self.pins.take(state.id)
-            if table is not None:
-                if use_pin and table.num_tokens < len(prompt):
-                    req.prefix_table = table
-                    return True
-                table.release()
-            device_blocks = self.engine.blocks.cached_prefix(prompt, req.salt, max_blocks)
-            if self.disk is not None and device_blocks < max_blocks:
-                uncached.append(device_blocks)
-                return False
-            if prefetched:  # a table (no disk read) held from here to the scheduler: what was prefetched serves
-                req.prefix_table, _ = self.engine.blocks.install(prompt, req.salt, max_blocks, device_blocks, [],
-                                                                 req.request_id)
-                req.cached_disk_tokens = bs * _overlap(prefetched, len(req.prefix_table))
-            return True
-
-        return admit, uncached
-
-    async def _stream(self, frames: TurnFrames, req: Request,
-                      admit: Callable[[], bool] | None) -> tuple[bool, RequestOutput | None]:
-        """Run the request, its tokens sent as frames: whether `admit` let it in, and its final output."""
-        admitted = False
+    async def _stream(self, frames: TurnFrames, req: Request, prefix: SessionPrefix) -> RequestOutput | None:
+        """Run the request, its tokens sent as frames; its final output."""
         final: RequestOutput | None = None
-        async with aclosing(self.engine.generate(req, admit)) as stream:
+        async with aclosing(self.engine.generate(req, prefix)) as stream:
             async for out in stream:
-                admitted = True
                 for delta in out.deltas:
                     if delta.logprobs:
                         frames.emit({"type": "token", "index": delta.index, "text": delta.text,
@@ -263,127 +222,7 @@ class TurnRunner:
                         frames.emit({"type": "token", "index": delta.index, "text": delta.text})
                 if out.finished:
                     final = out
-        return admitted, final
-
-    async def _load_prefix(self, state: SessionState, req: Request, device_blocks: int,
-                           prefetched: range) -> Callable[[], bool]:
-        """Read back the prompt's blocks past the pool's `device_blocks` cached ones from the disk
-        tier (verified); returns the `admit` that installs them as the request's prefix table, in
-        the command that adds the request."""
-        disk = self.disk
-        assert disk is not None
-        prompt = req.prompt
-        bs = self.engine.block_size
-        max_blocks = (len(prompt) - 1) // bs
-        tensors = await disk.load(chain_hashes(prompt, bs, req.salt)[device_blocks:max_blocks])
-
-        def install() -> bool:
-            if tensors:
-                self._make_room(state.id, len(tensors))
-            table, loaded = self.engine.blocks.install(prompt, req.salt, max_blocks, device_blocks, tensors,
-                                                       req.request_id)
-            req.prefix_table = table
-            req.cached_disk_tokens = loaded + bs * _overlap(prefetched, len(table) - loaded // bs)
-            return True
-
-        return install
-
-    async def _prefetched(self, state: SessionState) -> range:
-        """Wait for the session's prefetch, if one runs; the blocks it brought back."""
-        task, state.prefetching = state.prefetching, None
-        if task is None:
-            return range(0)
-        try:
-            return await task
-        except Exception:
-            log.exception("prefetch failed in session %s", state.id)
-            return range(0)
-
-    def prefetch(self, state: SessionState) -> None:
-        """Start bringing the session's history back from the disk tier (on `hello`, or ahead of
-        its expected turn): the reads overlap other sessions' compute, and its next turn finds the
-        blocks in the pool. A prefetch that found everything in the pool already leaves nothing
-        behind, so a later one may still fetch what gets evicted meanwhile. One that found nothing on
-        disk is not repeated until the history changes (`SessionState.disk_missed`)."""
-        if self.disk is not None and state.tokens and state.prefetching is None and not state.turn_running \
-                and state.disk_missed is not state.tokens:
-            task = state.prefetching = asyncio.create_task(self.load_history(state), name=f"prefetch-{state.id}")
-
-            def nothing_loaded(done: asyncio.Task[range]) -> None:
-                if state.prefetching is done and not done.cancelled() and done.exception() is None \
-                        and not done.result():
-                    state.prefetching = None
-
-            task.add_done_callback(nothing_loaded)
-
-    def prefetch_next(self, current: SessionState) -> None:
-        """While `current`'s turn computes, start bringing back the idle session the disk tier's
-        forecast expects back soonest (within `LOOKAHEAD_S`). Under round robin that is the next
-        turn's session: its history, evicted to disk, waits in the pool when its turn comes, and
-        the read overlaps this turn's compute instead of delaying that one. The pool's eviction
-        takes the conversation expected back last, never the one just prefetched."""
-        disk = self.disk
-        if disk is None:
-            return
-        idle = [s.id for s in self.sessions.live.values()
-                if s is not current and s.tokens and s.prefetching is None and not s.turn_running]
-        soonest = disk.soonest(idle, LOOKAHEAD_S)
-        if soonest is not None:
-            self.prefetch(self.sessions.live[soonest])
-
-    async def load_history(self, state: SessionState) -> range:
-        """Install the session's full blocks missing from the pool, read from the disk tier, as
-        cached-free blocks claimed by the session; returns the installed blocks' places in the chain."""
-        disk = self.disk
-        assert disk is not None
-        current = state.tokens
-        tokens = list(current)
-        bs = self.engine.block_size
-        salt = self.engine.salt(state.scope_key)
-        max_blocks = len(tokens) // bs
-
-        def in_pool() -> int:
-            if state.id in self.pins:
-                return max_blocks
-            return self.engine.blocks.cached_prefix(tokens, salt, max_blocks)
-
-        device_blocks = await self.engine.on_thread(in_pool)
-        if device_blocks >= max_blocks:
-            return range(0)
-        tensors = await disk.load(chain_hashes(tokens, bs, salt)[device_blocks:max_blocks])
-        if not tensors:
-            state.disk_missed = current
-            return range(0)
-
-        def install() -> range:
-            blocks = self.engine.blocks
-            self._make_room(state.id, len(tensors))
-            table, loaded = blocks.install(tokens, salt, max_blocks, device_blocks, tensors, f"prefetch:{state.id}")
-            blocks.claim(state.id, table.block_ids, use=False)
-            installed = range(len(table) - loaded // bs, len(table))
-            table.release()
-            return installed
-
-        return await self.engine.on_thread(install)
-
-    def _make_room(self, session_id: str, wanted: int) -> None:
-        """Engine thread: release the pins of sessions the pool's forecast expects back after
-        `session_id`, latest first, until the pool can take the `wanted` blocks read back for it.
-        Without this, a small pool full of just-finished turns' pins refused every prefetch (the
-        install stops at the low watermark) and each turn read its history again on its own
-        critical path. A released pin's full blocks stay cached-free: its session is still warm
-        unless the install evicts them, which takes the chain expected back last first."""
-        blocks = self.engine.blocks
-        if blocks.room() >= wanted:
-            return
-        waits = blocks.expected_waits([session_id, *self.pins.session_ids()])
-        mine = waits.pop(session_id, None)
-        if mine is None:
-            return
-        for later in sorted((s for s, wait in waits.items() if wait > mine), key=waits.__getitem__, reverse=True):
-            if blocks.room() >= wanted:
-                break
-            self.pins.release(later)
+        return final
 
     async def _finish(self, state: SessionState, frames: TurnFrames, req: Request, content: str, window: Window,
                       final: RequestOutput | None, error: ErrorCode | None, assistant_id: int) -> None:
@@ -423,7 +262,7 @@ class TurnRunner:
         except Exception:
             log.exception("could not record the turn of session %s", state.id)
         try:
-            await self._pin(state, req, keep=saved)
+            await self.residency.settle(state, final.pinned_hashes if final is not None else [], saved=saved)
         finally:
             self._notify(frames, reason, error, stats, window.window_start)
 
@@ -472,49 +311,6 @@ class TurnRunner:
             code = error if error in (ErrorCode.BUSY, ErrorCode.CONFLICT) else ErrorCode.INTERNAL
             frames.emit_error(code, "no capacity right now, try again" if code == ErrorCode.BUSY else "the turn failed")
         frames.emit(done_frame(reason, stats, truncated))
-
-    async def _pin(self, state: SessionState, req: Request, *, keep: bool) -> None:
-        """The finished request's table becomes the session's pin, and its new full blocks go to
-        disk; unless the turn is not `keep` (not saved) or the session is gone: then it is released."""
-        disk = self.disk
-
-        def pin() -> list[bytes]:
-            table = req.kept_table
-            req.kept_table = None
-            if table is None or table.released:
-                return []
-            if not keep or state.id not in self.sessions.live:
-                table.release()
-                return []
-            self.pins.pin(state.id, table)
-            self.engine.blocks.claim(state.id, table.block_ids)
-            return list(table.hashes)
-
-        hashes = await self.engine.on_thread(pin)
-        if disk is None or not hashes:
-            return
-        disk.claim(state.id, hashes)
-        task = asyncio.create_task(self._write_through(state.id, hashes))
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
-
-    async def _write_through(self, session_id: str, hashes: list[bytes]) -> None:
-        disk = self.disk
-        assert disk is not None
-        try:
-            todo = await disk.worth_writing(session_id, await disk.filter_unknown(hashes))
-            if not todo:
-                return
-
-            await disk.save(await self.engine.on_thread(lambda: self.engine.blocks.read(todo)))
-        except Exception:
-            log.exception("disk tier write failed")
-
-
-
-def _overlap(prefetched: range, held_blocks: int) -> int:
-    """How many of the prefetched blocks lie within the first `held_blocks` of the chain."""
-    return max(0, min(prefetched.stop, held_blocks) - prefetched.start)
 
 
 def storable(text: str) -> str:

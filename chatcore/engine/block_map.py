@@ -1,0 +1,46 @@
+"""The operators' view of the pool: the audit, each block's state, and which sessions map it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from chatcore.cache import BlockPool, audit
+
+
+def block_map(pool: BlockPool, session_of_request: dict[str, str]) -> dict[str, Any]:
+    """The audit plus which sessions map which blocks: a pinned table names its session, a
+    request's table the session `session_of_request` gives its request id."""
+    report = audit(pool)
+    owners, per_session = _owners(pool, session_of_request)
+    blocks = []
+    for block in pool.blocks:
+        state = "used" if block.ref > 0 else "cached" if pool.is_cached(block.id) else "free"
+        if state != "free":
+            blocks.append({"id": block.id, "state": state, "ref": block.ref,
+                           "sessions": sorted(owners.get(block.id, ()))})
+    return {
+        "block_size": pool.block_size,
+        "audit": {"ok": report.ok, "violations": report.violations, "total": report.total,
+                  "free": report.free, "cached": report.cached, "used": report.used,
+                  "sum_refs": report.sum_refs, "sum_table_lens": report.sum_table_lens},
+        "blocks": blocks,
+        "sessions": [{"id": sid, "blocks": list(ids)} for sid, ids in per_session.items()],
+    }
+
+
+def _owners(pool: BlockPool, session_of_request: dict[str, str]) -> tuple[dict[int, set[str]],
+                                                                           dict[str, dict[int, None]]]:
+    """Each block's sessions, and each session's blocks in table order."""
+    owners: dict[int, set[str]] = {}
+    per_session: dict[str, dict[int, None]] = {}
+    for table in pool.tables:
+        owner = table.owner
+        if owner.startswith("session:"):
+            session = owner.removeprefix("session:")
+        else:
+            session = session_of_request.get(owner.split("/")[0], "")
+        if session:
+            for block_id in table.block_ids:
+                owners.setdefault(block_id, set()).add(session)
+            per_session.setdefault(session, {}).update(dict.fromkeys(table.block_ids))
+    return owners, per_session
