@@ -17,6 +17,7 @@ from litestar.static_files import create_static_files_router
 
 from chatcore.config import Settings
 from chatcore.models.loader import LoadedModel
+from chatcore.outcomes import ErrorCode
 from chatcore.resources import WEB_DIR
 from chatcore.server import (
     completions_routes,
@@ -40,7 +41,7 @@ from chatcore.server.errors import (
 from chatcore.server.openapi_schema import StructBodySchemaPlugin
 from chatcore.server.services import Services
 from chatcore.server.ws import chat_socket, origin_allowed
-from chatcore.sessions.manager import SessionError
+from chatcore.sessions.errors import SessionError
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,9 @@ def _nul_in_target(request: Request[Any, Any, Any]) -> Response[Any] | None:
     (chatcore/server/body_decoding.py): PostgreSQL cannot compare or store it."""
     if NUL not in request.scope["path"] and b"%00" not in request.scope["query_string"]:
         return None
-    return Response({"error": {"code": "bad_request", "message": "the path and query must not contain NUL (%00)"}},
-                    status_code=400, media_type=MediaType.JSON)
+    message = "the path and query must not contain NUL (%00)"
+    return Response({"error": {"code": ErrorCode.BAD_REQUEST, "message": message}}, status_code=400,
+                    media_type=MediaType.JSON)
 
 
 # What a page on an allowed origin may send and read: the key, JSON bodies, the session headers, and
@@ -93,10 +95,10 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None,
         any web page could otherwise create sessions and run completions on a local server. Before the body
         is read; clients that are not browsers send no Origin."""
         if not origin_allowed(request, settings.allowed_origins):
-            return Response({"error": {"code": "unauthorized", "message": "origin not allowed"}}, status_code=403,
-                            media_type=MediaType.JSON)
+            return Response({"error": {"code": ErrorCode.UNAUTHORIZED, "message": "origin not allowed"}},
+                            status_code=403, media_type=MediaType.JSON)
         if not await host_allowed(request, request.app.state.auth, settings.allowed_hosts):
-            return Response({"error": {"code": "unauthorized", "message": "host not allowed in open mode"}},
+            return Response({"error": {"code": ErrorCode.UNAUTHORIZED, "message": "host not allowed in open mode"}},
                             status_code=403, media_type=MediaType.JSON)
         return _nul_in_target(request)
 
