@@ -294,6 +294,11 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
         first = await anext(events)  # errors before the first event become plain HTTP errors
         return Stream(_sse(completion, first, events, params.n, include_usage), media_type="text/event-stream",
                       headers={"Cache-Control": "no-cache"})
+    return await _whole(completion, events)
+
+
+async def _whole(completion: Completion, events: AsyncIterator[tuple[str, Any]]) -> Response[Any]:
+    """A completion that is not streamed: the events gathered into one response."""
     texts: dict[int, str] = {}
     logprobs: dict[int, list[TokenLogprob]] = {}
     calls: dict[int, list[Any]] = {}
