@@ -10,24 +10,31 @@ from chatcore.outcomes import ErrorCode
 
 
 class SessionError(Exception):
+    """A request the session layer refuses as malformed (a bad `response_format`, ...)."""
+
     code = ErrorCode.BAD_REQUEST
 
 
 class NotFound(SessionError):
-    code = ErrorCode.NOT_FOUND
+    code = ErrorCode.NOT_FOUND  # no such session, or another tenant's: the same answer
 
 
 class Busy(SessionError):
+    """No room now (a turn already running in the session, the tenant's session or turn limits,
+    no grammar compile thread free): the client may retry."""
+
     code = ErrorCode.BUSY
 
 
 class TooLarge(SessionError):
-    code = ErrorCode.TOO_LARGE
+    code = ErrorCode.TOO_LARGE  # a message or a prompt over its limit
 
 
 class Unauthorized(SessionError):
+    """A wrong resume token."""
+
     code = ErrorCode.UNAUTHORIZED
 
 
 class Conflict(SessionError):
-    code = ErrorCode.CONFLICT
+    code = ErrorCode.CONFLICT  # another connection took the session over, or another replica serves it
