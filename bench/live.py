@@ -23,7 +23,7 @@ from typing import Any
 import websockets
 
 from chatcore.bench.common import Context
-from chatcore.cluster import free_port, wait_http
+from chatcore.ops.processes import free_port, wait_http
 
 TURN_TIMEOUT_S = 600
 STARTUP_TIMEOUT_S = 300

@@ -73,7 +73,7 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cluster(args: argparse.Namespace, settings: Settings) -> int:
-    from chatcore.cluster import cluster_command
+    from chatcore.ops.command import cluster_command
 
     return cluster_command(args, settings)
 

@@ -28,8 +28,13 @@ class FinishReason(enum.StrEnum):
 
 
 class ErrorCode(enum.StrEnum):
-    """Why a request failed, as the error code clients see (docs/protocol.md, "Errors")."""
+    """Why a request failed, as the error code clients see (docs/protocol.md, "Errors"): every code
+    a client can get, over HTTP or a WebSocket. `chatcore/server/errors.py` maps each to its status."""
 
+    BAD_REQUEST = "bad_request"
+    UNSUPPORTED_PARAMETER = "unsupported_parameter"  # a valid OpenAI parameter this server does not do
+    UNAUTHORIZED = "unauthorized"
+    NOT_FOUND = "not_found"
     BUSY = "busy"  # no capacity now: the client may retry
     TOO_LARGE = "too_large"
     CONFLICT = "conflict"  # another connection or replica took the session over

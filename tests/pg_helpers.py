@@ -1,6 +1,6 @@
 """A throw-away PostgreSQL cluster for the tests: started on first use, once per test process.
 
-It runs Debian's binaries (`chatcore.cluster.pg_bin_dir`: PATH, else /usr/lib/postgresql/<v>/bin)
+It runs Debian's binaries (`chatcore.ops.postgres.pg_bin_dir`: PATH, else /usr/lib/postgresql/<v>/bin)
 in a temporary directory, on a free loopback port, with durability off, and is stopped and
 removed when pytest exits. Each caller gets its own fresh database, whose URL carries the
 cluster's generated password (`Postgres.url`).
@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from chatcore.cluster import Postgres, pg_bin_dir, throwaway_postgres
+from chatcore.ops.postgres import Postgres, pg_bin_dir, throwaway_postgres
 
 _cluster: Postgres | None = None
 _names = itertools.count()

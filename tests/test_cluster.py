@@ -1,5 +1,5 @@
 """Replicas behind nginx, for real: a throw-away PostgreSQL, Debian's nginx and three `chatcore serve`
-processes on loopback, started by `chatcore.cluster.cluster_up` (what `chatcore cluster up` runs).
+processes on loopback, started by `chatcore.ops.cluster.cluster_up` (what `chatcore cluster up` runs).
 
 What is checked: new sessions spread over the replicas and then stick to the one that made them
 (WebSocket, OpenAI route and sessions REST alike); a session's second turn hits the prefix cache
@@ -42,22 +42,16 @@ from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
-import chatcore.cluster
-from chatcore.cluster import (
-    LOG_TAIL_LINES,
-    ClusterError,
-    ClusterState,
-    Postgres,
-    Replica,
-    cluster_down,
-    cluster_up,
-    free_port,
-    nginx_binary,
-    pg_bin_dir,
-    start_nginx,
-    state_path,
-)
+import chatcore.ops.cluster
+import chatcore.ops.postgres
 from chatcore.config import Settings
+from chatcore.ops.cluster import ClusterState, cluster_down, cluster_up, state_path
+from chatcore.ops.errors import LOG_TAIL_LINES, ClusterError
+from chatcore.ops.files import write_private
+from chatcore.ops.nginx import nginx_binary, start_nginx
+from chatcore.ops.postgres import Postgres, pg_bin_dir, postgres_home
+from chatcore.ops.processes import free_port
+from chatcore.ops.replicas import Replica
 from chatcore.server.services import LOCAL_TENANT
 from chatcore.store.db import create_sessionmaker
 from chatcore.store.models import ChatSession, KvBlock, SessionChain, Tenant
@@ -385,9 +379,9 @@ def test_a_trust_cluster_of_an_older_chatcore_is_moved_to_a_password(pg_root: Pa
     move (left world-readable, and with characters that SQL and a URL must escape) is kept."""
     bin_dir = pg_bin_dir()
     assert bin_dir is not None
-    chatcore.cluster._give_to_pg_os_user(pg_root)
+    chatcore.ops.postgres._give_to_pg_os_user(pg_root)
     initdb = [str(bin_dir / "initdb"), "-D", str(pg_root / "data"), "-U", "chatcore", "-A", "trust", "--no-sync"]
-    subprocess.run(chatcore.cluster._as_pg_os_user(initdb), capture_output=True, check=True, timeout=120)
+    subprocess.run(chatcore.ops.postgres._as_pg_os_user(initdb), capture_output=True, check=True, timeout=120)
     assert Postgres(pg_root, 0, bin_dir).trusts()
     (pg_root / "password").write_text("p@ss:w/rd%'?#\n")
     os.chmod(pg_root / "password", 0o644)
@@ -439,7 +433,7 @@ def test_cluster_up_as_root_refuses_a_postgres_folder_someone_else_made(tmp_path
     a link to one of root's files, got that file chowned to postgres, made 0600 and rewritten.
     Now the command refuses the folder, says why, and touches nothing."""
     data = tmp_path / "data"
-    home = chatcore.cluster.postgres_home(data)
+    home = postgres_home(data)
     _plant(home, victim, how)
     env = {**os.environ, "CHATCORE_DATA_DIR": str(data)}
     try:
@@ -473,7 +467,7 @@ def test_the_password_file_replaces_whatever_was_at_its_name(pg_root: Path, vict
     replaced by a new 0600 file, and the other file keeps its text and mode."""
     target = pg_root / "password"
     os.link(victim, target)
-    chatcore.cluster.write_private(target, "new\n")
+    write_private(target, "new\n")
     _assert_untouched(victim)
     assert target.read_text() == "new\n" and stat.S_IMODE(target.stat().st_mode) == 0o600
     assert [p.name for p in pg_root.iterdir()] == ["password"]  # no partial file left
@@ -500,7 +494,7 @@ def test_the_database_and_local_tenant_are_ready_before_any_replica_starts(
         seen.append(asyncio.run(tenants(database_url)))
         raise ClusterError("stopped before starting a replica")
 
-    monkeypatch.setattr(chatcore.cluster, "start_replica", start_replica)
+    monkeypatch.setattr(chatcore.ops.cluster, "start_replica", start_replica)
     with pytest.raises(ClusterError, match="stopped before"):
         cluster_up(Settings(data_dir=tmp_path / "data", database_url=url), 2, port=free_port())
     assert seen == [[LOCAL_TENANT]]

@@ -20,7 +20,7 @@ from chatcore.engine.commands import Audit
 from chatcore.engine.request import SamplingParams
 from chatcore.server.services import Services
 from chatcore.sessions.disk_tier import DiskTier
-from chatcore.sessions.manager import Conflict
+from chatcore.sessions.errors import Conflict
 from chatcore.store.models import ChatSession
 from chatcore.store.repos import Repos
 from chatcore.store.types import utcnow

@@ -27,8 +27,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from chatcore.cluster import nginx_binary
 from chatcore.config import Settings
+from chatcore.ops.nginx import nginx_binary
 from tests.server_helpers import free_port
 
 REPO = Path(__file__).resolve().parents[1]

@@ -133,7 +133,7 @@ def test_a_prompt_past_one_prefill_chunk_matches_in_the_auto_dtype(auto_models, 
     from chatcore.cache import audit
     from chatcore.config import Settings
     from chatcore.engine.core import EngineCore
-    from chatcore.models import paged_attention
+    from chatcore.kernels import prefill
 
     loaded, reference = auto_models
     prompt = _long_chat(loaded.tokenizer, 1100)
@@ -141,8 +141,8 @@ def test_a_prompt_past_one_prefill_chunk_matches_in_the_auto_dtype(auto_models, 
     chunks: list[int] = []
     core.on_step.append(lambda plan: chunks.extend(e.num_tokens for e in plan.prefill))
     cascades = []
-    cascade = paged_attention._cascade_attention
-    monkeypatch.setattr(paged_attention, "_cascade_attention", lambda *a: cascades.append(1) or cascade(*a))
+    cascade = prefill._cascade_attention
+    monkeypatch.setattr(prefill, "_cascade_attention", lambda *a: cascades.append(1) or cascade(*a))
     req = core.make_request(prompt, SamplingParams(max_tokens=64))
     core.add(req)
     ours = run_to_end(core)[req.request_id].outputs[0].token_ids

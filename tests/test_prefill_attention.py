@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chatcore.models import paged_attention
-from chatcore.models.paged_attention import PrefillMeta, _prefill_attention
+from chatcore.kernels import prefill
+from chatcore.kernels.prefill import prefill_attention
+from chatcore.models.paged_attention import PrefillMeta
 
 BLOCK = 16
 
@@ -48,8 +49,8 @@ def test_continuation_equals_one_masked_attention(start: int, tokens: int, heads
     scale = 64 ** -0.5
     expected = _masked(q, kc, vc, table[0], start, scale)
     for path, min_work in (("cascade", 0), ("shifted mask", 1 << 62)):
-        monkeypatch.setattr(paged_attention, "CASCADE_MIN_WORK", min_work)
-        got = _prefill_attention(q, kc, vc, meta, scale)
+        monkeypatch.setattr(prefill, "CASCADE_MIN_WORK", min_work)
+        got = prefill_attention(q, kc, vc, meta, scale)
         assert got.shape == expected.shape == (tokens, heads, 64), path
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=path)
 
@@ -65,7 +66,7 @@ def test_chunks_packed_in_one_step_each_attend_over_their_own_blocks() -> None:
     width = max(-(-(s + n) // BLOCK) for s, n in zip(starts, lens, strict=True))
     tables = torch.randperm(pool, generator=gen)[: 3 * width].to(torch.int32).view(3, width)
     q = torch.randn(sum(lens), heads, dim, generator=gen)
-    got = _prefill_attention(q, key_cache, value_cache, PrefillMeta(tables, starts, lens), 0.125)
+    got = prefill_attention(q, key_cache, value_cache, PrefillMeta(tables, starts, lens), 0.125)
     rows = torch.split(q, list(lens))
     expected = torch.cat([_masked(r, key_cache, value_cache, tables[i], starts[i], 0.125) for i, r in enumerate(rows)])
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -77,23 +78,23 @@ def test_chunks_packed_in_one_step_each_attend_over_their_own_blocks() -> None:
 def test_continuation_in_half_precision(dtype: torch.dtype, start: int, gemms: bool,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Either path a CPU takes for half precision (by whether it has AMX tiles)."""
-    monkeypatch.setattr(paged_attention, "HALF_CONTINUATION_GEMMS", gemms)
+    monkeypatch.setattr(prefill, "HALF_CONTINUATION_GEMMS", gemms)
     q, kc, vc, table, meta = _case(start, 40, 9, 3, dtype, seed=1)
     scale = 64 ** -0.5
     expected = _masked(q, kc, vc, table[0], start, scale)
-    got = _prefill_attention(q, kc, vc, meta, scale)
+    got = prefill_attention(q, kc, vc, meta, scale)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 def test_a_result_never_aliases_the_reused_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 continuations without AMX take `_continuation_attention`, which reuses its score buffers."""
-    monkeypatch.setattr(paged_attention, "HALF_CONTINUATION_GEMMS", True)
+    monkeypatch.setattr(prefill, "HALF_CONTINUATION_GEMMS", True)
     q, kc, vc, _, meta = _case(48, 8, 9, 3, torch.bfloat16)
-    first = _prefill_attention(q, kc, vc, meta, 0.125)
+    first = prefill_attention(q, kc, vc, meta, 0.125)
     kept = first.clone()
     q2, kc2, vc2, _, meta2 = _case(48, 8, 9, 3, torch.bfloat16, seed=5)
-    _prefill_attention(q2, kc2, vc2, meta2, 0.125)
+    prefill_attention(q2, kc2, vc2, meta2, 0.125)
     assert torch.equal(first, kept)
 
 
@@ -105,22 +106,22 @@ def test_a_narrower_cache_is_read_in_the_query_dtype(kv_dtype: torch.dtype) -> N
     for start, tokens in ((200, 40), (0, 240)):
         meta = PrefillMeta(table, (start,), (tokens,))
         rows = q[:tokens] if tokens <= q.shape[0] else torch.cat([q] * 6)[:tokens]
-        got = _prefill_attention(rows, narrow_k, narrow_v, meta, 0.125)
+        got = prefill_attention(rows, narrow_k, narrow_v, meta, 0.125)
         assert got.dtype == torch.float32
-        assert torch.equal(got, _prefill_attention(rows, narrow_k.float(), narrow_v.float(), meta, 0.125))
+        assert torch.equal(got, prefill_attention(rows, narrow_k.float(), narrow_v.float(), meta, 0.125))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_step_builds_each_shifted_mask_once_and_it_is_what_sdpa_makes_of_a_boolean_one(
         dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(paged_attention, "HALF_CONTINUATION_GEMMS", False)
-    monkeypatch.setattr(paged_attention, "CASCADE_MIN_WORK", 1 << 62)
+    monkeypatch.setattr(prefill, "HALF_CONTINUATION_GEMMS", False)
+    monkeypatch.setattr(prefill, "CASCADE_MIN_WORK", 1 << 62)
     start, tokens = 250, 122
     q, kc, vc, table, meta = _case(start, tokens, 9, 3, dtype, seed=3)
-    first = _prefill_attention(q, kc, vc, meta, 0.125)
+    first = prefill_attention(q, kc, vc, meta, 0.125)
     assert list(meta.masks) == [(start, tokens, dtype)]
     mask = meta.masks[start, tokens, dtype]
-    assert torch.equal(_prefill_attention(q, kc, vc, meta, 0.125), first)  # the next layer: the same mask
+    assert torch.equal(prefill_attention(q, kc, vc, meta, 0.125), first)  # the next layer: the same mask
     assert meta.masks[start, tokens, dtype] is mask and len(meta.masks) == 1
     length = start + tokens
     keys = kc[table[0].long()].flatten(0, 1)[:length]

@@ -53,7 +53,7 @@ async def test_a_turn_whose_save_fails_ends_with_error_and_done_and_keeps_memory
 
 async def test_unknown_and_malformed_session_ids_are_not_found_and_leave_nothing_behind(
         make_services) -> None:  # noqa: F811
-    from chatcore.sessions.manager import NotFound
+    from chatcore.sessions.errors import NotFound
 
     services = await make_services()
     manager = services.sessions

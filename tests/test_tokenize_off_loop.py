@@ -15,7 +15,7 @@ import pytest
 
 from chatcore.config import Settings
 from chatcore.engine.request import SamplingParams
-from chatcore.sessions.manager import Busy
+from chatcore.sessions.errors import Busy
 from tests.inprocess_server import InProcessServer, serve
 from tests.server_helpers import hello
 

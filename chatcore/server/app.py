@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from litestar import Litestar, MediaType, Request, Response, Router, get
@@ -14,9 +14,11 @@ from litestar.exceptions import HTTPException
 from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.static_files import create_static_files_router
+from litestar.types import ControllerRouterHandler, ExceptionHandlersMap
 
 from chatcore.config import Settings
 from chatcore.models.loader import LoadedModel
+from chatcore.outcomes import ErrorCode
 from chatcore.resources import WEB_DIR
 from chatcore.server import (
     completions_routes,
@@ -40,7 +42,7 @@ from chatcore.server.errors import (
 from chatcore.server.openapi_schema import StructBodySchemaPlugin
 from chatcore.server.services import Services
 from chatcore.server.ws import chat_socket, origin_allowed
-from chatcore.sessions.manager import SessionError
+from chatcore.sessions.errors import SessionError
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +65,9 @@ def _nul_in_target(request: Request[Any, Any, Any]) -> Response[Any] | None:
     (chatcore/server/body_decoding.py): PostgreSQL cannot compare or store it."""
     if NUL not in request.scope["path"] and b"%00" not in request.scope["query_string"]:
         return None
-    return Response({"error": {"code": "bad_request", "message": "the path and query must not contain NUL (%00)"}},
-                    status_code=400, media_type=MediaType.JSON)
+    message = "the path and query must not contain NUL (%00)"
+    return Response({"error": {"code": ErrorCode.BAD_REQUEST, "message": message}}, status_code=400,
+                    media_type=MediaType.JSON)
 
 
 # What a page on an allowed origin may send and read: the key, JSON bodies, the session headers, and
@@ -82,23 +85,27 @@ def cors_config(allowed_origins: list[str]) -> CORSConfig | None:
                       expose_headers=CORS_EXPOSED_HEADERS)
 
 
-def create_app(settings: Settings, loaded: LoadedModel | None = None,
-               on_device_lost: Callable[[str], None] | None = None) -> Litestar:
-    """An app that starts its services (database, model, engine, sessions) in its lifespan. `on_device_lost`:
-    called on the engine thread when the device failed for good (`chatcore serve` then exits)."""
+def _same_origin(settings: Settings) -> Callable[[Request[Any, Any, Any]], Awaitable[Response[Any] | None]]:
+    """The app's `before_request`: cross-site requests from browsers (which always name their Origin on a
+    POST, even a 'simple' one, text/plain with no CORS preflight) are refused by the rule the WebSocket
+    upgrade uses: in open mode, any web page could otherwise create sessions and run completions on a local
+    server. Before the body is read; clients that are not browsers send no Origin."""
 
     async def same_origin(request: Request[Any, Any, Any]) -> Response[Any] | None:
-        """Cross-site requests from browsers (which always name their Origin on a POST, even a 'simple' one,
-        text/plain with no CORS preflight) are refused by the rule the WebSocket upgrade uses: in open mode,
-        any web page could otherwise create sessions and run completions on a local server. Before the body
-        is read; clients that are not browsers send no Origin."""
         if not origin_allowed(request, settings.allowed_origins):
-            return Response({"error": {"code": "unauthorized", "message": "origin not allowed"}}, status_code=403,
-                            media_type=MediaType.JSON)
+            return Response({"error": {"code": ErrorCode.UNAUTHORIZED, "message": "origin not allowed"}},
+                            status_code=403, media_type=MediaType.JSON)
         if not await host_allowed(request, request.app.state.auth, settings.allowed_hosts):
-            return Response({"error": {"code": "unauthorized", "message": "host not allowed in open mode"}},
+            return Response({"error": {"code": ErrorCode.UNAUTHORIZED, "message": "host not allowed in open mode"}},
                             status_code=403, media_type=MediaType.JSON)
         return _nul_in_target(request)
+
+    return same_origin
+
+
+def _lifespan(settings: Settings, loaded: LoadedModel | None,
+              on_device_lost: Callable[[str], None] | None) -> Callable[[Litestar], AbstractAsyncContextManager[None]]:
+    """Start the services, and the app's helpers over them, when the app starts; stop them when it stops."""
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -117,45 +124,59 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None,
             await app.state.gauges.stop()
             await services.stop()
 
+    return lifespan
+
+
+def _route_handlers() -> list[ControllerRouterHandler]:
+    return [
+        index,
+        create_static_files_router("/static", directories=[WEB_DIR], include_in_schema=False),
+        chat_socket,  # authenticates after the upgrade, to answer with an error frame
+        # The key is checked by a guard, before a body is read or validated.
+        Router("/", guards=[_require_key], route_handlers=[
+            openai_routes.chat_completions,
+            completions_routes.completions,
+            openai_routes.list_models,
+            session_routes.limits,
+            session_routes.list_sessions,
+            session_routes.create_session,
+            import_routes.import_session,
+            session_routes.get_session,
+            session_routes.rename_session,
+            session_routes.rotate_token,
+            session_routes.branch_session,
+            session_routes.delete_session,
+            ops_routes.admin_cache,
+        ]),
+        ops_routes.healthz,
+        ops_routes.readyz,
+        ops_routes.metrics,
+    ]
+
+
+EXCEPTION_HANDLERS: ExceptionHandlersMap = {
+    ApiError: api_error_handler,
+    SessionError: session_error_handler,
+    HTTPException: http_error_handler,
+    RecursionError: recursion_error_handler,
+    Exception: internal_error_handler,
+}
+
+
+def create_app(settings: Settings, loaded: LoadedModel | None = None,
+               on_device_lost: Callable[[str], None] | None = None) -> Litestar:
+    """An app that starts its services (database, model, engine, sessions) in its lifespan. `on_device_lost`:
+    called on the engine thread when the device failed for good (`chatcore serve` then exits)."""
     return Litestar(
-        route_handlers=[
-            index,
-            create_static_files_router("/static", directories=[WEB_DIR], include_in_schema=False),
-            chat_socket,  # authenticates after the upgrade, to answer with an error frame
-            # The key is checked by a guard, before a body is read or validated.
-            Router("/", guards=[_require_key], route_handlers=[
-                openai_routes.chat_completions,
-                completions_routes.completions,
-                openai_routes.list_models,
-                session_routes.limits,
-                session_routes.list_sessions,
-                session_routes.create_session,
-                import_routes.import_session,
-                session_routes.get_session,
-                session_routes.rename_session,
-                session_routes.rotate_token,
-                session_routes.branch_session,
-                session_routes.delete_session,
-                ops_routes.admin_cache,
-            ]),
-            ops_routes.healthz,
-            ops_routes.readyz,
-            ops_routes.metrics,
-        ],
-        lifespan=[lifespan],
+        route_handlers=_route_handlers(),
+        lifespan=[_lifespan(settings, loaded, on_device_lost)],
         dependencies=DEPENDENCIES,
         plugins=[StructBodySchemaPlugin()],
         request_class=StrictRequest,  # bodies decoded strictly into their Structs
-        before_request=same_origin,
+        before_request=_same_origin(settings),
         cors_config=cors_config(settings.allowed_origins),
         logging_config=None,  # `chatcore serve` configures logging (chatcore.logs), text or JSON
-        exception_handlers={
-            ApiError: api_error_handler,
-            SessionError: session_error_handler,
-            HTTPException: http_error_handler,
-            RecursionError: recursion_error_handler,
-            Exception: internal_error_handler,
-        },
+        exception_handlers=EXCEPTION_HANDLERS,
         openapi_config=OpenAPIConfig(title="chatcore", version="0.1.0",
                                      openapi_router=Router("/schema", route_handlers=[], guards=[_require_key])),
         request_max_body_size=settings.max_frame_bytes * 16,

@@ -15,6 +15,7 @@ from typing import Any, cast
 
 from litestar.connection import ASGIConnection
 
+from chatcore.outcomes import ErrorCode
 from chatcore.periodic import Periodic
 from chatcore.server.errors import ApiError
 from chatcore.server.services import Services
@@ -66,11 +67,11 @@ class Authenticator:
         if await self.open_mode(key_presented=key is not None):
             return Principal(self.services.local_tenant_id, "local", True)
         if not key:
-            raise ApiError("unauthorized", "an API key is required (Authorization: Bearer, or api_key=)")
+            raise ApiError(ErrorCode.UNAUTHORIZED, "an API key is required (Authorization: Bearer, or api_key=)")
         async with self.services.sessionmaker() as db:
             found = await Repos(db).keys.authenticate(key)
         if found is None:
-            raise ApiError("unauthorized", "invalid API key")
+            raise ApiError(ErrorCode.UNAUTHORIZED, "invalid API key")
         tenant, is_admin, key_id = found
         return Principal(tenant.id, tenant.name, is_admin, key_id)
 

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 from litestar import Request
 
+from chatcore.outcomes import ErrorCode
 from chatcore.server.errors import ApiError, from_validation_error
 
 
@@ -30,7 +31,7 @@ class StrictRequest(Request[Any, Any, Any]):
         except msgspec.ValidationError as exc:
             raise from_validation_error(exc) from exc
         except msgspec.DecodeError as exc:
-            raise ApiError("bad_request", f"JSON is malformed: {exc}") from exc
+            raise ApiError(ErrorCode.BAD_REQUEST, f"JSON is malformed: {exc}") from exc
         refused = nul_error(msgspec.json.decode(body)) if b"\\u0000" in body else None
         if refused is not None:
             raise refused
@@ -47,7 +48,7 @@ def nul_error(value: Any) -> ApiError | None:
     while stack:
         where, item = stack.pop()
         if isinstance(item, str) and NUL in item:
-            return ApiError("bad_request", f"{where or 'the body'} must not contain NUL (U+0000) characters")
+            return ApiError(ErrorCode.BAD_REQUEST, f"{where or 'the body'} must not contain NUL (U+0000) characters")
         if isinstance(item, dict):
             for key, child in reversed(item.items()):
                 name = str(key).replace(NUL, "\\u0000")

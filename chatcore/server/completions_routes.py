@@ -15,7 +15,7 @@ from litestar.response import Stream
 
 from chatcore.engine.outputs import TokenLogprob
 from chatcore.engine.token_logprobs import TokenTexts, legacy
-from chatcore.outcomes import FinishReason
+from chatcore.outcomes import ErrorCode, FinishReason
 from chatcore.server.auth import Principal
 from chatcore.server.bodies import CompletionRequest
 from chatcore.server.errors import ApiError
@@ -40,17 +40,19 @@ def _prompt(value: str | list[Any], vocab_size: int) -> str | list[int]:
     """A non-empty string, or a non-empty list of token ids in the vocabulary."""
     if isinstance(value, str):
         if not value:
-            raise ApiError("bad_request", "prompt must not be empty")
+            raise ApiError(ErrorCode.BAD_REQUEST, "prompt must not be empty")
         return value
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         bad = next((t for t in value if not 0 <= t < vocab_size), None)
         if bad is not None:
-            raise ApiError("bad_request", f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+            raise ApiError(ErrorCode.BAD_REQUEST,
+                           f"prompt token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
         return list(value)
     if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
-        raise ApiError("unsupported_parameter", "prompt: a batch of prompts is not supported by this server; "
-                                                "send one string or one list of token ids")
-    raise ApiError("bad_request", "prompt must be a non-empty string or a non-empty list of token ids")
+        raise ApiError(ErrorCode.UNSUPPORTED_PARAMETER,
+                       "prompt: a batch of prompts is not supported by this server; "
+                       "send one string or one list of token ids")
+    raise ApiError(ErrorCode.BAD_REQUEST, "prompt must be a non-empty string or a non-empty list of token ids")
 
 
 def _prompt_ids(tokenizer: Any, prompt: str | list[int]) -> Callable[[], list[int]]:
@@ -127,7 +129,7 @@ async def completions(data: CompletionRequest, services: Services, principal: Pr
         else:
             reasons, (prompt_tokens, cached, completion_tokens) = value
             return Response(completion.full(reasons, usage(prompt_tokens, cached, completion_tokens)))
-    raise ApiError("internal", "the request ended without a result")
+    raise ApiError(ErrorCode.INTERNAL, "the request ended without a result")
 
 
 async def _stream(completion: TextCompletion, first: tuple[str, Any], events: AsyncIterator[tuple[str, Any]],

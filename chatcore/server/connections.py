@@ -20,6 +20,7 @@ from contextlib import contextmanager
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from chatcore.outcomes import ErrorCode
 from chatcore.server.errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -100,8 +101,9 @@ class PendingSockets:
     def waiting(self, address: str) -> Iterator[None]:
         """Count one socket from `address` while it waits; `busy` if that address already has `limit`."""
         if self._waiting[address] >= self.limit:
-            raise ApiError("busy", f"{self.limit} sockets from this address are already waiting for their auth "
-                                   "frame (max_unauthenticated_sockets_per_address)")
+            raise ApiError(ErrorCode.BUSY,
+                           f"{self.limit} sockets from this address are already waiting for their auth "
+                           "frame (max_unauthenticated_sockets_per_address)")
         self._waiting[address] += 1
         try:
             yield

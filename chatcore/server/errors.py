@@ -1,4 +1,5 @@
-"""API errors: one code vocabulary for WebSocket frames and HTTP bodies."""
+"""API errors: the HTTP status of every `ErrorCode` (chatcore/outcomes.py), for WebSocket frames and
+HTTP bodies alike. This module invents no code: each error a client sees carries an `ErrorCode` member."""
 
 from __future__ import annotations
 
@@ -9,24 +10,31 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
-from chatcore.sessions.manager import SessionError
+from chatcore.outcomes import ErrorCode
+from chatcore.sessions.errors import SessionError
 
 log = logging.getLogger(__name__)
 
-HTTP_STATUS = {
-    "bad_request": 400,
-    "unsupported_parameter": 400,
-    "unauthorized": 401,
-    "not_found": 404,
-    "conflict": 409,
-    "too_large": 413,
-    "busy": 429,
-    "internal": 500,
+HTTP_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.BAD_REQUEST: 400,
+    ErrorCode.UNSUPPORTED_PARAMETER: 400,
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.CONFLICT: 409,
+    ErrorCode.TOO_LARGE: 413,
+    ErrorCode.BUSY: 429,
+    ErrorCode.INTERNAL: 500,
+}
+# The code of an HTTP error that litestar raised itself (a 404 route, a 405 method): statuses not listed
+# here are `internal` from 500 up and `bad_request` below.
+STATUS_CODE: dict[int, ErrorCode] = {
+    401: ErrorCode.UNAUTHORIZED, 403: ErrorCode.UNAUTHORIZED, 404: ErrorCode.NOT_FOUND, 405: ErrorCode.BAD_REQUEST,
+    409: ErrorCode.CONFLICT, 413: ErrorCode.TOO_LARGE, 429: ErrorCode.BUSY,
 }
 
 
 class ApiError(Exception):
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
@@ -57,14 +65,14 @@ def from_validation_error(exc: msgspec.ValidationError) -> ApiError:
     if expected is not None and where:
         types = expected["types"].split(" | ")
         kinds = [KINDS.get(t, t) for t in types if t != "null"] + ["null"] * ("null" in types)
-        return ApiError("bad_request", f"{where} must be {' or '.join(kinds)}{expected['bound']}")
-    return ApiError("bad_request", f"{where}: {what}" if where else what)
+        return ApiError(ErrorCode.BAD_REQUEST, f"{where} must be {' or '.join(kinds)}{expected['bound']}")
+    return ApiError(ErrorCode.BAD_REQUEST, f"{where}: {what}" if where else what)
 
 
 RETRY_AFTER_S = 1  # `busy` is a moment's congestion (a full queue, a tenant's turns in flight)
 
 
-def _body(code: str, message: str, status: int) -> Response[dict[str, dict[str, str]]]:
+def _body(code: ErrorCode, message: str, status: int) -> Response[dict[str, dict[str, str]]]:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
     return Response({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
 
@@ -80,9 +88,8 @@ def session_error_handler(_: Request, exc: SessionError) -> Response[dict[str, d
 def http_error_handler(_: Request, exc: HTTPException) -> Response[dict[str, dict[str, str]]]:
     status = exc.status_code
     if isinstance(exc, ValidationException) or status == 400:
-        return _body("bad_request", _validation_message(exc), 400)
-    code = {401: "unauthorized", 403: "unauthorized", 404: "not_found", 405: "bad_request", 409: "conflict",
-            413: "too_large", 429: "busy"}.get(status, "internal" if status >= 500 else "bad_request")
+        return _body(ErrorCode.BAD_REQUEST, _validation_message(exc), 400)
+    code = STATUS_CODE.get(status, ErrorCode.INTERNAL if status >= 500 else ErrorCode.BAD_REQUEST)
     return _body(code, str(exc.detail), status)
 
 
@@ -96,11 +103,11 @@ def recursion_error_handler(_: Request, exc: RecursionError) -> Response[dict[st
     """Input nested deeper than a decoder's (or a renderer's) recursion limit is the client's error, not
     ours: a JSON body, or JSON text inside one (tool call arguments). Logged, without the client's data."""
     if "deserializ" in str(exc):
-        return _body("bad_request", "the JSON body is nested too deeply", 400)
+        return _body(ErrorCode.BAD_REQUEST, "the JSON body is nested too deeply", 400)
     log.warning("a request failed with RecursionError (%s): answered 400", exc)
-    return _body("bad_request", "the request holds data nested too deeply", 400)
+    return _body(ErrorCode.BAD_REQUEST, "the request holds data nested too deeply", 400)
 
 
 def internal_error_handler(_: Request, exc: Exception) -> Response[dict[str, dict[str, str]]]:
     log.exception("unhandled error", exc_info=exc)
-    return _body("internal", "internal error", 500)
+    return _body(ErrorCode.INTERNAL, "internal error", 500)

@@ -17,6 +17,7 @@ import time
 from collections import deque
 from typing import Any
 
+from chatcore.outcomes import ErrorCode
 from chatcore.server.errors import ApiError
 
 HISTORY_PAGE_CHARS = 1 << 20  # of message text, at most, unless one exchange alone is longer
@@ -57,6 +58,7 @@ class HistoryReads:
         while self._times and now - self._times[0] >= WINDOW_S:
             self._times.popleft()
         if len(self._times) >= self.per_minute:
-            raise ApiError("busy", f"a socket may send at most {self.per_minute} hello and history frames a minute "
-                                   "(max_history_reads_per_minute)")
+            raise ApiError(ErrorCode.BUSY,
+                           f"a socket may send at most {self.per_minute} hello and history frames a minute "
+                           "(max_history_reads_per_minute)")
         self._times.append(now)

@@ -22,7 +22,7 @@ from typing import Any
 
 from litestar import post
 
-from chatcore.outcomes import FinishReason
+from chatcore.outcomes import ErrorCode, FinishReason
 from chatcore.server.auth import Principal
 from chatcore.server.bodies import ImportedMessage, ImportSession
 from chatcore.server.errors import ApiError
@@ -40,11 +40,12 @@ MAX_BODY_BYTES = 4 * MAX_TOTAL_CHARS
 def _messages(raw: list[ImportedMessage]) -> list[dict[str, str]]:
     """Complete exchanges only: user, assistant, user, assistant…"""
     if len(raw) % 2:
-        raise ApiError("bad_request", "messages must be whole exchanges (a user message, then its answer)")
+        raise ApiError(ErrorCode.BAD_REQUEST, "messages must be whole exchanges (a user message, then its answer)")
     for i, m in enumerate(raw):
         expected = "user" if i % 2 == 0 else "assistant"
         if m.role != expected:
-            raise ApiError("bad_request", f"messages[{i}] must be {{\"role\": \"{expected}\", \"content\": string}}")
+            raise ApiError(ErrorCode.BAD_REQUEST,
+                           f"messages[{i}] must be {{\"role\": \"{expected}\", \"content\": string}}")
     return [{"role": m.role, "content": m.content} for m in raw]
 
 
@@ -59,8 +60,9 @@ def _check_size(services: Services, data: ImportSession) -> None:
     _, max_chars = import_limits(services)
     total = len(data.system_prompt or "") + sum(len(m.content) for m in data.messages)
     if total > max_chars:
-        raise ApiError("too_large", f"the import holds {total} characters; the limit is {max_chars} "
-                                    f"({services.settings.import_context_multiple:g} contexts)")
+        raise ApiError(ErrorCode.TOO_LARGE,
+                       f"the import holds {total} characters; the limit is {max_chars} "
+                       f"({services.settings.import_context_multiple:g} contexts)")
 
 
 async def _check_quota(services: Services, tenant_id: str, data: ImportSession) -> None:
@@ -69,8 +71,9 @@ async def _check_quota(services: Services, tenant_id: str, data: ImportSession) 
         stored = await Repos(db).turns.chars_for_tenant(tenant_id)
     adding = sum(len(m.content) for m in data.messages)
     if stored + adding > limit:
-        raise ApiError("too_large", f"the tenant stores {stored} characters of messages and the import adds "
-                                    f"{adding}; the limit is {limit} (max_stored_chars_per_tenant)")
+        raise ApiError(ErrorCode.TOO_LARGE,
+                       f"the tenant stores {stored} characters of messages and the import adds "
+                       f"{adding}; the limit is {limit} (max_stored_chars_per_tenant)")
 
 
 @contextmanager
@@ -82,9 +85,9 @@ def _slots(services: Services, tenant_id: str) -> Iterator[None]:
     turns_limit = services.settings.max_turns_per_tenant
     imports_limit = services.settings.max_concurrent_imports
     if active[tenant_id] >= turns_limit:
-        raise ApiError("busy", f"the tenant already runs {turns_limit} requests (max_turns_per_tenant)")
+        raise ApiError(ErrorCode.BUSY, f"the tenant already runs {turns_limit} requests (max_turns_per_tenant)")
     if services.imports_running >= imports_limit:
-        raise ApiError("busy", f"{imports_limit} imports are running (max_concurrent_imports); retry later")
+        raise ApiError(ErrorCode.BUSY, f"{imports_limit} imports are running (max_concurrent_imports); retry later")
     active[tenant_id] += 1
     services.imports_running += 1
     try:
@@ -121,9 +124,10 @@ async def _fill(services: Services, state: SessionState, messages: list[dict[str
         history = [*state.messages, *messages]
         tokens = await manager.tokenize(lambda: manager.template.render(history, generation_prompt=False))
         if len(tokens) > max_tokens:
-            raise ApiError("too_large", f"the import is {len(tokens)} tokens; the limit is {max_tokens} "
-                                        f"({services.settings.import_context_multiple:g} contexts of "
-                                        f"{services.engine.max_context})")
+            raise ApiError(ErrorCode.TOO_LARGE,
+                           f"the import is {len(tokens)} tokens; the limit is {max_tokens} "
+                           f"({services.settings.import_context_multiple:g} contexts of "
+                           f"{services.engine.max_context})")
         async with services.sessionmaker() as db, db.begin():
             repos = Repos(db)
             for m in messages:

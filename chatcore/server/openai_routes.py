@@ -23,7 +23,7 @@ from chatcore.engine.errors import QueueFull, RequestRejected
 from chatcore.engine.outputs import RequestOutput, TokenLogprob
 from chatcore.engine.request import SamplingParams
 from chatcore.engine.token_logprobs import TokenTexts, chat_content
-from chatcore.outcomes import FinishReason
+from chatcore.outcomes import ErrorCode, FinishReason
 from chatcore.server.auth import Principal
 from chatcore.server.bodies import ChatCompletionRequest, ChatMessage
 from chatcore.server.errors import ApiError
@@ -45,8 +45,9 @@ def refuse_unimplemented(data: msgspec.Struct, unimplemented: dict[str, Callable
     for name, neutral in unimplemented.items():
         value = getattr(data, name)
         if value is not None and not neutral(value):
-            raise ApiError("unsupported_parameter", f"{name} is not supported by this server; "
-                                                    f"leave it out (or send {name}: null)")
+            raise ApiError(ErrorCode.UNSUPPORTED_PARAMETER,
+                           f"{name} is not supported by this server; "
+                           f"leave it out (or send {name}: null)")
 
 
 def _text(content: str | list[dict[str, Any]] | None) -> str:
@@ -56,24 +57,26 @@ def _text(content: str | list[dict[str, Any]] | None) -> str:
         parts = [p.get("text") for p in content if p.get("type") == "text"]
         if all(isinstance(p, str) for p in parts) and parts:
             return "".join(parts)
-    raise ApiError("bad_request", "message content must be a string or a list of text parts")
+    raise ApiError(ErrorCode.BAD_REQUEST, "message content must be a string or a list of text parts")
 
 
 def _tool_calls(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """An assistant message's `tool_calls`, with their arguments as objects (as chat templates render them)."""
     if not raw:
-        raise ApiError("bad_request", "tool_calls must be a non-empty list")
+        raise ApiError(ErrorCode.BAD_REQUEST, "tool_calls must be a non-empty list")
     calls = []
     for call in raw:
         fn = call.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
-            raise ApiError("bad_request", "each tool call needs a function with a name and its arguments as a string")
+            raise ApiError(ErrorCode.BAD_REQUEST,
+                           "each tool call needs a function with a name and its arguments as a string")
         try:
             arguments = json.loads(fn["arguments"])
         except (ValueError, RecursionError):  # RecursionError: nested deeper than the decoder goes
             arguments = None
         if not isinstance(arguments, dict):
-            raise ApiError("bad_request", f"the arguments of tool call {fn['name']!r} must be a JSON object")
+            raise ApiError(ErrorCode.BAD_REQUEST,
+                           f"the arguments of tool call {fn['name']!r} must be a JSON object")
         calls.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": arguments}})
     return calls
 
@@ -90,7 +93,7 @@ def parse_messages(raw: list[ChatMessage]) -> list[dict[str, Any]]:
             out.append({"role": role, "content": content, "tool_calls": _tool_calls(item.tool_calls)})
         elif role == "tool":
             if item.tool_call_id is None:
-                raise ApiError("bad_request", "a tool message needs the tool_call_id it answers")
+                raise ApiError(ErrorCode.BAD_REQUEST, "a tool message needs the tool_call_id it answers")
             out.append({"role": role, "content": _text(item.content), "tool_call_id": item.tool_call_id})
         else:
             out.append({"role": role, "content": _text(item.content)})
@@ -106,8 +109,9 @@ def _refuse_unrenderable(index: int, item: ChatMessage) -> None:
                     "tool_call_id": item.tool_call_id is not None and item.role != "tool"}
     for field, refused in unrenderable.items():
         if refused:
-            raise ApiError("unsupported_parameter", f"messages[{index}].{field} is not supported by this server "
-                                                    f"on {item.role} messages; leave it out")
+            raise ApiError(ErrorCode.UNSUPPORTED_PARAMETER,
+                           f"messages[{index}].{field} is not supported by this server "
+                           f"on {item.role} messages; leave it out")
 
 
 def uses_tools(messages: list[dict[str, Any]]) -> bool:
@@ -171,7 +175,7 @@ async def engine_events(services: Services, principal_tenant: str, prompt_of: Ca
     active = services.sessions.active_turns  # the same per-tenant bound as session turns
     limit = services.settings.max_turns_per_tenant
     if active[principal_tenant] >= limit:
-        raise ApiError("busy", f"the tenant already runs {limit} requests")
+        raise ApiError(ErrorCode.BUSY, f"the tenant already runs {limit} requests")
     active[principal_tenant] += 1  # before the first await: tokenizing and compiling count against the bound too
     final: RequestOutput | None = None
     try:
@@ -184,7 +188,7 @@ async def engine_events(services: Services, principal_tenant: str, prompt_of: Ca
         try:
             engine.check_fits(request)
         except RequestRejected as exc:
-            raise ApiError("too_large", str(exc)) from exc
+            raise ApiError(ErrorCode.TOO_LARGE, str(exc)) from exc
         async with aclosing(engine.generate(request)) as stream:
             async for out in stream:
                 for delta in out.deltas:
@@ -193,7 +197,7 @@ async def engine_events(services: Services, principal_tenant: str, prompt_of: Ca
                 if out.finished:
                     final = out
     except QueueFull as exc:
-        raise ApiError("busy", str(exc)) from exc
+        raise ApiError(ErrorCode.BUSY, str(exc)) from exc
     finally:
         active[principal_tenant] -= 1
     assert final is not None and final.usage is not None and final.timings is not None
@@ -215,19 +219,19 @@ async def _session_events(services: Services, tenant_id: str, session_id: str, m
                           params: SamplingParams, max_tokens_given: bool) -> AsyncIterator[tuple[str, Any]]:
     """With X-Session-Id: the last user message is the session's next turn."""
     if messages[-1]["role"] != "user":
-        raise ApiError("bad_request", "with X-Session-Id the last message must be the user's new turn")
+        raise ApiError(ErrorCode.BAD_REQUEST, "with X-Session-Id the last message must be the user's new turn")
     state = await services.sessions.open(tenant_id, session_id)
     frames = await services.turns.start(state, messages[-1]["content"], params, client_id=None,
                                         max_tokens_given=max_tokens_given)
     queue = frames.subscribe(None)
-    error = ApiError("internal", "the turn failed")
+    error = ApiError(ErrorCode.INTERNAL, "the turn failed")
     try:
         while True:
             frame = await queue.get()
             if frame["type"] == "token":
                 yield "delta", (frame["index"], frame["text"], None)
             elif frame["type"] == "error":  # precedes a failed turn's done: busy (no capacity), conflict, ...
-                error = ApiError(frame["code"], frame["message"])
+                error = ApiError(ErrorCode(frame["code"]), frame["message"])
             elif frame["type"] == "done":
                 usage = frame["usage"]
                 if frame["finish_reason"] == FinishReason.ERROR:
@@ -245,8 +249,9 @@ def _tools(services: Services, data: ChatCompletionRequest, messages: list[dict[
     """The request's tools; a 400 where the model's chat template cannot take them."""
     tools = parse_tools(data)
     if (tools is not None or uses_tools(messages)) and not services.sessions.template.takes_tools:
-        raise ApiError("unsupported_parameter", "tools: this model's chat template does not support tools (it "
-                                                "neither shows them to the model nor defines <tool_call> blocks)")
+        raise ApiError(ErrorCode.UNSUPPORTED_PARAMETER,
+                       "tools: this model's chat template does not support tools (it "
+                       "neither shows them to the model nor defines <tool_call> blocks)")
     return tools
 
 
@@ -263,16 +268,18 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
     call_format = tools.grammar(schema_limits(services.settings)) if tools is not None else None
     if call_format is not None:
         if params.response_format is not None:
-            raise ApiError("bad_request", "response_format cannot be combined with a required tool call")
+            raise ApiError(ErrorCode.BAD_REQUEST, "response_format cannot be combined with a required tool call")
         params = replace(params, response_format=call_format)
     session_id = request.headers.get("x-session-id")
     if session_id:
         if params.logprobs:
-            raise ApiError("unsupported_parameter", "logprobs is not supported with X-Session-Id; leave it out "
-                                                    "(or send logprobs: false)")
+            raise ApiError(ErrorCode.UNSUPPORTED_PARAMETER,
+                           "logprobs is not supported with X-Session-Id; leave it out "
+                           "(or send logprobs: false)")
         if tools is not None or uses_tools(messages):
-            raise ApiError("unsupported_parameter", "tools are not supported with X-Session-Id (a session keeps "
-                                                    "no tool calls); send the whole conversation instead")
+            raise ApiError(ErrorCode.UNSUPPORTED_PARAMETER,
+                           "tools are not supported with X-Session-Id (a session keeps "
+                           "no tool calls); send the whole conversation instead")
         events = _session_events(services, principal.tenant_id, session_id, messages, params, max_tokens is not None)
     else:
         engine = services.engine
@@ -287,6 +294,11 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
         first = await anext(events)  # errors before the first event become plain HTTP errors
         return Stream(_sse(completion, first, events, params.n, include_usage), media_type="text/event-stream",
                       headers={"Cache-Control": "no-cache"})
+    return await _whole(completion, events)
+
+
+async def _whole(completion: Completion, events: AsyncIterator[tuple[str, Any]]) -> Response[Any]:
+    """A completion that is not streamed: the events gathered into one response."""
     texts: dict[int, str] = {}
     logprobs: dict[int, list[TokenLogprob]] = {}
     calls: dict[int, list[Any]] = {}
@@ -301,7 +313,7 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
         else:
             reasons, (prompt, cached, completion_tokens) = value
             return Response(completion.full(texts, logprobs, calls, reasons, usage(prompt, cached, completion_tokens)))
-    raise ApiError("internal", "the request ended without a result")
+    raise ApiError(ErrorCode.INTERNAL, "the request ended without a result")
 
 
 async def _sse(completion: Completion, first: tuple[str, Any], events: AsyncIterator[tuple[str, Any]], n: int,

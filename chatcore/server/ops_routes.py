@@ -16,6 +16,7 @@ from sqlalchemy import func, select
 
 from chatcore.engine.commands import BlockMap
 from chatcore.engine.warmup import NotReady
+from chatcore.outcomes import ErrorCode
 from chatcore.periodic import Periodic
 from chatcore.server.auth import Principal
 from chatcore.server.errors import ApiError
@@ -114,7 +115,7 @@ class GaugeRefresher:
 @get("/v1/admin/cache")
 async def admin_cache(services: Services, principal: Principal) -> dict[str, Any]:
     if not principal.is_admin:
-        raise ApiError("unauthorized", "the admin routes need an admin key")
+        raise ApiError(ErrorCode.UNAUTHORIZED, "the admin routes need an admin key")
     live = services.sessions.live
     request_sessions = {s.request_id: s.id for s in live.values() if s.request_id}
     result = await services.engine.send(BlockMap(request_sessions))

@@ -18,6 +18,7 @@ from chatcore.engine.grammar import (
 )
 from chatcore.engine.request import MAX_TOP_LOGPROBS, SamplingParams
 from chatcore.engine.schema_limits import SchemaLimits
+from chatcore.outcomes import ErrorCode
 from chatcore.server.errors import ApiError
 
 MAX_N = 8
@@ -66,17 +67,19 @@ def parse_logit_bias(value: dict[str, float] | None, vocab_size: int) -> tuple[t
     digits = len(str(vocab_size - 1))
     for key, bias in value.items():
         if not (key.isascii() and key.isdigit()):
-            raise ApiError("bad_request", f"logit_bias key {key[:20]!r} is not a token id")
+            raise ApiError(ErrorCode.BAD_REQUEST, f"logit_bias key {key[:20]!r} is not a token id")
         significant = key.lstrip("0") or "0"
         if len(significant) > digits:  # checked before int(), which refuses strings of over 4,300 digits
-            raise ApiError("bad_request", f"logit_bias key {key[:20]!r}... is outside the vocabulary "
-                                          f"(0..{vocab_size - 1})")
+            raise ApiError(ErrorCode.BAD_REQUEST,
+                           f"logit_bias key {key[:20]!r}... is outside the vocabulary "
+                           f"(0..{vocab_size - 1})")
         token = int(significant)
         if token >= vocab_size:
-            raise ApiError("bad_request", f"logit_bias token id {token} is outside the vocabulary "
-                                          f"(0..{vocab_size - 1})")
+            raise ApiError(ErrorCode.BAD_REQUEST,
+                           f"logit_bias token id {token} is outside the vocabulary "
+                           f"(0..{vocab_size - 1})")
         if not -100.0 <= bias <= 100.0:
-            raise ApiError("bad_request", f"logit_bias[{token}] must be in [-100.0, 100.0]")
+            raise ApiError(ErrorCode.BAD_REQUEST, f"logit_bias[{token}] must be in [-100.0, 100.0]")
         pairs.append((token, float(bias)))
     return tuple(sorted(pairs))
 
@@ -90,16 +93,16 @@ def sampling_params(fields: Sampling, settings: Settings, *, vocab_size: int, ma
     if max_tokens is None:
         max_tokens = min(default_max_tokens, settings.max_tokens_limit)
     elif max_tokens > settings.max_tokens_limit:
-        raise ApiError("too_large", f"max_tokens is limited to {settings.max_tokens_limit}")
+        raise ApiError(ErrorCode.TOO_LARGE, f"max_tokens is limited to {settings.max_tokens_limit}")
     if top_logprobs and not logprobs:
-        raise ApiError("bad_request", "top_logprobs needs logprobs: true")
+        raise ApiError(ErrorCode.BAD_REQUEST, "top_logprobs needs logprobs: true")
     stop = fields.stop
     penalties = {name: value for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
                  if (value := getattr(fields, name)) is not None}
     try:
         response_format = parse_response_format(fields.response_format, schema_limits(settings))
     except ValueError as exc:
-        raise ApiError("bad_request", str(exc)) from exc
+        raise ApiError(ErrorCode.BAD_REQUEST, str(exc)) from exc
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=default_temperature if fields.temperature is None else fields.temperature,
@@ -123,7 +126,7 @@ async def compile_response_format(grammars: Grammars, params: SamplingParams, te
     try:
         compiled = await grammars.compile_async(params.response_format, tenant_id)
     except GrammarError as exc:
-        raise ApiError("bad_request", f"response_format: {exc}") from exc
+        raise ApiError(ErrorCode.BAD_REQUEST, f"response_format: {exc}") from exc
     except GrammarBusy as exc:
-        raise ApiError("busy", str(exc)) from exc
+        raise ApiError(ErrorCode.BUSY, str(exc)) from exc
     return replace(params, response_format=compiled)

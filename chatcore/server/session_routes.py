@@ -7,6 +7,7 @@ from typing import Any
 from litestar import Request, Response, delete, get, patch, post
 from sqlalchemy import func, select
 
+from chatcore.outcomes import ErrorCode
 from chatcore.server.auth import Principal
 from chatcore.server.bodies import Branch, NewSession, Rename
 from chatcore.server.errors import ApiError
@@ -55,7 +56,7 @@ async def branch_session(session_id: str, data: Branch, services: Services, prin
     try:
         state, token = await branch(services.sessions, principal.tenant_id, session_id, data.turns)
     except BadBranch as exc:
-        raise ApiError("bad_request", str(exc)) from exc
+        raise ApiError(ErrorCode.BAD_REQUEST, str(exc)) from exc
     return {"id": state.id, "resume_token": token, "title": state.title, "system_prompt": state.system_prompt,
             "turns": data.turns, "history_tokens": len(state.tokens)}
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from chatcore.engine.grammar import ResponseFormat
 from chatcore.engine.schema_limits import SchemaLimits, SchemaTooComplex
-from chatcore.outcomes import FinishReason
+from chatcore.outcomes import ErrorCode, FinishReason
 from chatcore.server.bodies import ChatCompletionRequest, NamedToolChoice
 from chatcore.server.errors import ApiError
 from chatcore.sessions.template import TOOL_CALL_CLOSE as CLOSE
@@ -56,7 +56,7 @@ class Tools:
         try:
             limits.check([(f"the parameters of tool {f['name']!r}", f.get("parameters") or {}) for f in allowed])
         except SchemaTooComplex as exc:
-            raise ApiError("bad_request", f"tools: {exc}") from exc
+            raise ApiError(ErrorCode.BAD_REQUEST, f"tools: {exc}") from exc
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                   "properties": {"name": {"const": f["name"]},
                                  "arguments": f.get("parameters") or {"type": "object"}}} for f in allowed]
@@ -70,30 +70,31 @@ def parse_tools(request: ChatCompletionRequest) -> Tools | None:
     raw, choice = request.tools, request.tool_choice
     if not raw:
         if choice not in (None, "none"):
-            raise ApiError("bad_request", "tool_choice needs tools")
+            raise ApiError(ErrorCode.BAD_REQUEST, "tool_choice needs tools")
         return None
     functions = []
     for i, tool in enumerate(raw):
         fn = tool.get("function") if tool.get("type") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not FUNCTION_NAME.fullmatch(fn["name"]):
-            raise ApiError("bad_request", f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": "
-                                          "1-64 letters, digits, _ or -, ...}}")
+            raise ApiError(ErrorCode.BAD_REQUEST,
+                           f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": "
+                           "1-64 letters, digits, _ or -, ...}}")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise ApiError("bad_request", f"tools[{i}].function.parameters must be a JSON schema object")
+            raise ApiError(ErrorCode.BAD_REQUEST, f"tools[{i}].function.parameters must be a JSON schema object")
         if fn.get("description") is not None and not isinstance(fn["description"], str):
-            raise ApiError("bad_request", f"tools[{i}].function.description must be a string")
+            raise ApiError(ErrorCode.BAD_REQUEST, f"tools[{i}].function.description must be a string")
         functions.append(fn)
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
-        raise ApiError("bad_request", "tools must have distinct names")
+        raise ApiError(ErrorCode.BAD_REQUEST, "tools must have distinct names")
     if choice is None:
         choice = "auto"
     elif isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
-            raise ApiError("bad_request", "tool_choice must name one of the tools")
+            raise ApiError(ErrorCode.BAD_REQUEST, "tool_choice must name one of the tools")
         choice = choice.function.name
     elif choice not in ("auto", "required", "none"):
-        raise ApiError("bad_request", "tool_choice must be 'auto', 'required', 'none' or a named function")
+        raise ApiError(ErrorCode.BAD_REQUEST, "tool_choice must be 'auto', 'required', 'none' or a named function")
     return Tools(tuple(functions), choice, request.parallel_tool_calls is not False)
 
 

@@ -19,7 +19,7 @@ import msgspec
 from litestar import WebSocket, websocket
 from litestar.connection import ASGIConnection
 
-from chatcore.outcomes import FinishReason
+from chatcore.outcomes import ErrorCode, FinishReason
 from chatcore.server.auth import (
     Authenticator,
     Principal,
@@ -44,7 +44,7 @@ from chatcore.server.frames import (
 from chatcore.server.history import HistoryReads, page_fields
 from chatcore.server.params import sampling_params
 from chatcore.server.services import Services
-from chatcore.sessions.manager import SessionError
+from chatcore.sessions.errors import SessionError
 from chatcore.sessions.state import SessionState
 
 log = logging.getLogger(__name__)
@@ -105,11 +105,11 @@ class Connection:
         self.queued_chars += len(text)
         self.out.put_nowait((text, seq if isinstance(seq, int) else None))
 
-    def error(self, code: str, message: str) -> None:
+    def error(self, code: ErrorCode, message: str) -> None:
         self.send({"type": "error", "code": code, "message": message})
 
     def revoked(self) -> None:
-        self.error("unauthorized", "the API key was revoked")
+        self.error(ErrorCode.UNAUTHORIZED, "the API key was revoked")
         self.close(CLOSE_POLICY, "key revoked")
 
     def close(self, code: int, reason: str = "") -> None:
@@ -137,7 +137,7 @@ class Connection:
         self.detach()
         previous = self.attachments().get(state.id)
         if previous is not None and previous is not self:
-            previous.error("conflict", "another connection took over this session")
+            previous.error(ErrorCode.CONFLICT, "another connection took over this session")
             previous.stop_pump()
             previous.state = None
             previous.close(CLOSE_CONFLICT, "session taken over")
@@ -192,10 +192,11 @@ class Connection:
             await self.user(frame)
         elif isinstance(frame, Auth):  # open mode ignores keys, as it ignores Authorization headers
             if self.principal.key_id is not None:
-                raise ApiError("bad_request", "this socket is authenticated already; auth is only a first frame")
+                raise ApiError(ErrorCode.BAD_REQUEST,
+                               "this socket is authenticated already; auth is only a first frame")
         elif isinstance(frame, Cancel):
             if self.state is None:
-                raise ApiError("bad_request", "send hello first")
+                raise ApiError(ErrorCode.BAD_REQUEST, "send hello first")
             await self.services.turns.cancel(self.state, FinishReason.CANCELLED)
         elif isinstance(frame, History):
             self.history(frame)
@@ -203,10 +204,10 @@ class Connection:
     def history(self, frame: History) -> None:
         """An earlier page of the attached session's history (chatcore/server/history.py)."""
         if self.state is None:
-            raise ApiError("bad_request", "send hello first")
+            raise ApiError(ErrorCode.BAD_REQUEST, "send hello first")
         history = self.state.history()
         if frame.before > len(history):
-            raise ApiError("bad_request", f"before must be at most {len(history)}, the messages in the history")
+            raise ApiError(ErrorCode.BAD_REQUEST, f"before must be at most {len(history)}, the messages in the history")
         self.history_reads.take()
         page = page_fields(history, frame.before, self.services.settings.history_page_messages)
         self.send({"type": "history", **page})
@@ -216,7 +217,7 @@ class Connection:
         session_id, token, last_seq = frame.session_id, frame.resume_token, frame.last_seq
         routed = self.socket.query_params.get("session_id")  # for nginx's affinity (docs/deploy.md)
         if routed and session_id is not None and routed != session_id:
-            raise ApiError("bad_request", "the session_id in the URL and in hello differ")
+            raise ApiError(ErrorCode.BAD_REQUEST, "the session_id in the URL and in hello differ")
         manager = self.services.sessions
         if session_id is None:
             state, token = await manager.create(self.principal.tenant_id, system_prompt=frame.system_prompt,
@@ -240,15 +241,16 @@ class Connection:
     async def user(self, frame: User) -> None:
         state = self.state
         if state is None:
-            raise ApiError("bad_request", "send hello first")
+            raise ApiError(ErrorCode.BAD_REQUEST, "send hello first")
         client_id = frame.id
         if not frame.content.strip():
-            raise ApiError("bad_request", "'content' must be a non-empty string")
+            raise ApiError(ErrorCode.BAD_REQUEST, "'content' must be a non-empty string")
         services = self.services
         fields = frame.params or SessionParams()
         if fields.tools is not msgspec.UNSET or fields.tool_choice is not msgspec.UNSET:
-            raise ApiError("unsupported_parameter", "tools are not available in sessions (a session keeps no tool "
-                                                    "calls); use POST /v1/chat/completions with the whole conversation")
+            raise ApiError(ErrorCode.UNSUPPORTED_PARAMETER,
+                           "tools are not available in sessions (a session keeps no tool "
+                           "calls); use POST /v1/chat/completions with the whole conversation")
         params = sampling_params(fields, services.settings, vocab_size=services.engine.vocab_size,
                                  max_tokens=fields.max_tokens, logprobs=bool(fields.logprobs),
                                  top_logprobs=fields.top_logprobs or 0, default_max_tokens=256,
@@ -267,7 +269,7 @@ class Connection:
         if not self.holds(state.id):
             return
         if used:
-            raise ApiError("bad_request", f"message id {client_id!r} was already used in this session")
+            raise ApiError(ErrorCode.BAD_REQUEST, f"message id {client_id!r} was already used in this session")
         await self.services.turns.start(state, frame.content, params, client_id,
                                         still_current=lambda: self.holds(state.id),
                                         max_tokens_given=fields.max_tokens is not None)
@@ -292,7 +294,8 @@ async def chat_socket(socket: WebSocket, services: Services) -> None:
         principal = await _authenticate(socket, auth, settings.max_frame_bytes, socket.app.state.pending_sockets)
     except ApiError as exc:
         await socket.send_data(json.dumps(exc.frame()), mode="text")
-        await socket.close(code=CLOSE_POLICY, reason="unauthorized" if exc.code == "unauthorized" else "busy")
+        reason = "unauthorized" if exc.code == ErrorCode.UNAUTHORIZED else "busy"  # a close reason, not a code
+        await socket.close(code=CLOSE_POLICY, reason=reason)
         return
     if principal is None:  # gone before it said who it is
         return
@@ -340,7 +343,8 @@ async def _authenticate(socket: WebSocket, auth: Authenticator, max_bytes: int,
         with pending.waiting(socket.client.host if socket.client else ""):
             message = await asyncio.wait_for(socket.receive(), AUTH_FRAME_TIMEOUT_S)
     except TimeoutError:
-        raise ApiError("unauthorized", f"no key: send an auth frame within {AUTH_FRAME_TIMEOUT_S:.0f} s") from None
+        raise ApiError(ErrorCode.UNAUTHORIZED,
+                       f"no key: send an auth frame within {AUTH_FRAME_TIMEOUT_S:.0f} s") from None
     if message["type"] == "websocket.disconnect":
         return None
     text = message.get("text")
@@ -350,8 +354,9 @@ async def _authenticate(socket: WebSocket, auth: Authenticator, max_bytes: int,
         frame = None
     api_key = frame.api_key if isinstance(frame, Auth) else None
     if not api_key:
-        raise ApiError("unauthorized", 'an API key is required: send {"type":"auth","api_key":...} first '
-                                       "(or Authorization: Bearer, or api_key= on the upgrade)")
+        raise ApiError(ErrorCode.UNAUTHORIZED,
+                       'an API key is required: send {"type":"auth","api_key":...} first '
+                       "(or Authorization: Bearer, or api_key= on the upgrade)")
     return await auth.for_key(api_key)
 
 
@@ -368,26 +373,26 @@ async def _on_message(conn: Connection, message: dict[str, Any], max_bytes: int)
     if text is None:
         size = len(message.get("bytes") or b"")
         if size > max_bytes:
-            conn.error("too_large", f"frames are limited to {max_bytes} bytes")
+            conn.error(ErrorCode.TOO_LARGE, f"frames are limited to {max_bytes} bytes")
             conn.close(CLOSE_TOO_BIG, "frame too large")
         else:
-            conn.error("bad_request", "binary frames are not supported; send JSON text frames")
+            conn.error(ErrorCode.BAD_REQUEST, "binary frames are not supported; send JSON text frames")
         return
     if len(text.encode("utf-8", "surrogatepass")) > max_bytes:
-        conn.error("too_large", f"frames are limited to {max_bytes} bytes")
+        conn.error(ErrorCode.TOO_LARGE, f"frames are limited to {max_bytes} bytes")
         conn.close(CLOSE_TOO_BIG, "frame too large")
         return
     try:
         frame = json.loads(text)
     except (ValueError, RecursionError):
-        conn.error("bad_request", "frames must be JSON")
+        conn.error(ErrorCode.BAD_REQUEST, "frames must be JSON")
         return
     if not isinstance(frame, dict):
-        conn.error("bad_request", "a frame must be a JSON object")
+        conn.error(ErrorCode.BAD_REQUEST, "a frame must be a JSON object")
         return
     if "\\ud" in text.lower() and not _encodable(frame):
         # JSON may escape lone UTF-16 surrogates ("\ud800"): no UTF-8 text, so no title, prompt or reply.
-        conn.error("bad_request", "frames must be valid Unicode: lone surrogate escapes are not allowed")
+        conn.error(ErrorCode.BAD_REQUEST, "frames must be valid Unicode: lone surrogate escapes are not allowed")
         return
     refused = nul_error(frame) if "\\u0000" in text else None  # PostgreSQL cannot store a NUL
     if refused is not None:
@@ -397,14 +402,14 @@ async def _on_message(conn: Connection, message: dict[str, Any], max_bytes: int)
         await conn.handle(decode_frame(frame))
     except ApiError as exc:
         conn.send(exc.frame())
-        if exc.code == "unauthorized":
+        if exc.code == ErrorCode.UNAUTHORIZED:
             conn.close(CLOSE_POLICY, "unauthorized")
     except SessionError as exc:
         conn.send(from_session_error(exc).frame())
-        if exc.code == "conflict":  # another replica serves the session
+        if exc.code == ErrorCode.CONFLICT:  # another replica serves the session
             conn.close(CLOSE_CONFLICT, "session served elsewhere")
-        elif exc.code == "unauthorized":
+        elif exc.code == ErrorCode.UNAUTHORIZED:
             conn.close(CLOSE_POLICY, "unauthorized")
     except Exception:
         log.exception("frame handling failed")
-        conn.error("internal", "internal error")
+        conn.error(ErrorCode.INTERNAL, "internal error")

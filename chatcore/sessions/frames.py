@@ -12,6 +12,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from chatcore.outcomes import ErrorCode
+
 Frame = dict[str, Any]
 
 
@@ -33,7 +35,7 @@ class TurnFrames:
             self.finished.set()
         return frame
 
-    def emit_error(self, code: str, message: str) -> None:
+    def emit_error(self, code: ErrorCode, message: str) -> None:
         """An error about this turn, to the attached client only (errors carry no `seq`)."""
         for queue in self._subscribers:
             queue.put_nowait({"type": "error", "code": code, "message": message})

@@ -26,6 +26,7 @@ from chatcore.engine.token_logprobs import TokenTexts
 from chatcore.metrics import Metrics
 from chatcore.outcomes import FinishReason
 from chatcore.sessions.disk_tier import DiskTier
+from chatcore.sessions.errors import Busy, Conflict, NotFound, Unauthorized
 from chatcore.sessions.frames import TurnFrames
 from chatcore.sessions.leases import LeaseKeeper
 from chatcore.sessions.report import done_frame, timing, usage
@@ -37,30 +38,6 @@ from chatcore.store.repos import Chain, Repos, TurnStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class SessionError(Exception):
-    code = "bad_request"
-
-
-class NotFound(SessionError):
-    code = "not_found"
-
-
-class Busy(SessionError):
-    code = "busy"
-
-
-class TooLarge(SessionError):
-    code = "too_large"
-
-
-class Unauthorized(SessionError):
-    code = "unauthorized"
-
-
-class Conflict(SessionError):
-    code = "conflict"
 
 
 # The routing key nginx names a new session after ($request_id: 32 hex digits); docs/deploy.md.

@@ -29,9 +29,9 @@ from chatcore.engine.outputs import RequestOutput
 from chatcore.engine.request import Request, SamplingParams
 from chatcore.engine.token_logprobs import chat_content
 from chatcore.outcomes import ErrorCode, FinishReason
+from chatcore.sessions.errors import Busy, Conflict, SessionError, TooLarge
 from chatcore.sessions.frames import TurnFrames
 from chatcore.sessions.leases import LeaseLost
-from chatcore.sessions.manager import Busy, Conflict, SessionError, TooLarge
 from chatcore.sessions.report import done_frame
 from chatcore.sessions.state import HISTORY_REASONS, SessionState
 from chatcore.sessions.window import Window, next_prompt

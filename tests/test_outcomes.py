@@ -1,0 +1,103 @@
+"""One outcome vocabulary: every error code a client sees is an `ErrorCode` member (chatcore/outcomes.py),
+and chatcore/server/errors.py maps each one, and nothing else, to an HTTP status.
+
+The source scan is on the AST, without importing the modules: a string literal equal to an error code's
+value where a code goes (the first argument or `code=` of `ApiError`, an `error`/`emit_error` call or an
+error body, a key or value of a dict, a comparison with a `.code`, a class's `code = ...`) is a code
+invented outside outcomes.py. Finish reasons share some values ("busy", "conflict") and are not flagged.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import chatcore
+from chatcore.outcomes import ErrorCode
+from chatcore.server.errors import HTTP_STATUS, STATUS_CODE, ApiError
+from chatcore.sessions import errors as session_errors
+
+ROOT = Path(chatcore.__file__).parent
+CODES = {code.value for code in ErrorCode}
+CODE_CALLS = {"ApiError", "error", "emit_error", "_body", "fail"}  # callables whose first argument is a code
+
+
+def test_every_error_code_has_an_http_status_and_nothing_else_does() -> None:
+    assert set(HTTP_STATUS) == set(ErrorCode)
+    assert all(type(key) is ErrorCode for key in HTTP_STATUS)
+    assert all(400 <= status < 600 for status in HTTP_STATUS.values())
+    assert all(type(code) is ErrorCode for code in STATUS_CODE.values())
+
+
+def test_wire_values_are_the_documented_names() -> None:
+    assert sorted(CODES) == sorted(["bad_request", "unsupported_parameter", "unauthorized", "not_found", "busy",
+                                    "too_large", "conflict", "internal"])
+    error = ApiError(ErrorCode.NOT_FOUND, "no such session")
+    assert error.status == 404
+    assert error.frame() == {"type": "error", "code": "not_found", "message": "no such session"}
+
+
+def test_session_errors_carry_their_member() -> None:
+    classes = [session_errors.SessionError, session_errors.NotFound, session_errors.Busy, session_errors.TooLarge,
+               session_errors.Unauthorized, session_errors.Conflict]
+    assert all(type(cls.code) is ErrorCode for cls in classes)
+    assert len({cls.code for cls in classes}) == len(classes)
+
+
+def _callee(node: ast.Call) -> str | None:
+    if isinstance(node.func, ast.Name):
+        return node.func.id
+    return node.func.attr if isinstance(node.func, ast.Attribute) else None
+
+
+def _is_code(node: ast.AST | None) -> bool:
+    return isinstance(node, ast.Constant) and node.value in CODES
+
+
+def _names_code(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "code") or (isinstance(node, ast.Name)
+                                                                          and node.id == "code")
+
+
+def _literal_codes(tree: ast.AST) -> list[int]:
+    """Lines where a string literal stands for an error code."""
+    found: list[ast.AST] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _callee(node) in CODE_CALLS:
+            found += [arg for arg in node.args[:1] if _is_code(arg)]
+            found += [kw.value for kw in node.keywords if kw.arg == "code" and _is_code(kw.value)]
+        elif isinstance(node, ast.Dict):  # a "code" entry, or a mapping to or from codes
+            found += [k for k in node.keys if _is_code(k)]
+            found += [v for k, v in zip(node.keys, node.values, strict=True)
+                      if _is_code(v) and not (isinstance(k, ast.Constant) and k.value == "finish_reason")]
+        elif isinstance(node, ast.Compare) and _names_code(node.left):
+            found += [c for c in node.comparators if _is_code(c)]
+        elif isinstance(node, ast.Assign) and any(_names_code(t) for t in node.targets) and _is_code(node.value):
+            found.append(node.value)
+    return sorted(n.lineno for n in found)
+
+
+def test_no_error_code_is_spelled_outside_outcomes() -> None:
+    offenders = []
+    linked = [path for folder in ("kernels", "bench") for path in (ROOT / folder).rglob("*.py")]  # through links
+    for path in sorted([*ROOT.rglob("*.py"), *linked]):
+        if path.name == "outcomes.py" and path.parent == ROOT:
+            continue
+        lines = _literal_codes(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+        offenders += [f"{path}:{line}" for line in lines]
+    assert offenders == [], "error codes must be ErrorCode members: " + ", ".join(offenders)
+
+
+def test_the_scan_sees_the_spellings_it_forbids() -> None:
+    source = '''
+raise ApiError("bad_request", "x")
+conn.error(code="busy", message="y")
+body = {"error": {"code": "not_found"}}
+if exc.code == "unauthorized": pass
+class E(Exception):
+    code = "conflict"
+STATUS = {401: "unauthorized"}.get(status, "internal")
+HTTP = {"too_large": 413}
+done(finish_reason="busy", frame={"finish_reason": "conflict"})  # finish reasons, not codes
+'''
+    assert _literal_codes(ast.parse(source)) == [2, 3, 4, 5, 7, 8, 9]
