@@ -102,13 +102,31 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"a TOML file of settings ({CONFIG_ENV}; default: ./{CONFIG_FILE} if present)")
     add_settings_flags(parser, ("cache_dir", "data_dir"))
     sub = parser.add_subparsers(dest="command", required=True)
-
     model = sub.add_parser("model", help="manage models")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     model_sub.add_parser("fetch", help="install and convert the default model (idempotent)").set_defaults(
         handler=_model_fetch
     )
+    _add_generate(sub)
+    mig = sub.add_parser("migrate", help="upgrade the database to the newest schema")
+    add_settings_flags(mig, STORE_SETTINGS)
+    mig.set_defaults(handler=_migrate)
+    _add_keys(sub)
+    serve = sub.add_parser("serve", help="serve the UI, the WebSocket API and the OpenAI-compatible API")
+    add_settings_flags(serve)
+    serve.set_defaults(handler=_serve)
+    _add_cluster(sub)
+    _add_bench(sub)
+    config = sub.add_parser("config", help="inspect the settings")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser("show", help="print every effective setting and where it came from "
+                                 "(flag, env, file, default), secrets redacted")
+    add_settings_flags(show)
+    show.set_defaults(handler=_config_show)
+    return parser
 
+
+def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     gen = sub.add_parser("generate", help="generate a chat answer in-process")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--system", default=None)
@@ -123,10 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(gen.add_argument_group("settings"))
     gen.set_defaults(handler=_generate)
 
-    mig = sub.add_parser("migrate", help="upgrade the database to the newest schema")
-    add_settings_flags(mig, STORE_SETTINGS)
-    mig.set_defaults(handler=_migrate)
 
+def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     keys = sub.add_parser("keys", help="manage API keys")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     create = keys_sub.add_parser("create", help="create an API key and print it once")
@@ -143,10 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(revoke, STORE_SETTINGS)
     revoke.set_defaults(handler=_keys_revoke)
 
-    serve = sub.add_parser("serve", help="serve the UI, the WebSocket API and the OpenAI-compatible API")
-    add_settings_flags(serve)
-    serve.set_defaults(handler=_serve)
 
+def _add_cluster(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cluster = sub.add_parser("cluster", help="run replicas behind nginx on loopback (docs/deploy.md)")
     cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True)
     up = cluster_sub.add_parser("up", help="start PostgreSQL (with --postgres), N replicas and nginx")
@@ -156,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(handler=_cluster)
     cluster_sub.add_parser("down", help="stop what `cluster up` started").set_defaults(handler=_cluster)
 
+
+def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser("bench", help="run the benchmarks against their baselines")
     bench.add_argument("--suite", default="all")
     bench.add_argument("--quick", action="store_true")
@@ -167,14 +183,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(bench.add_argument_group("settings (the sessions suite reads --kv-cache-gb and --kv-disk-gb "
                                                 "for its default-tier runs)"))
     bench.set_defaults(handler=_bench)
-
-    config = sub.add_parser("config", help="inspect the settings")
-    config_sub = config.add_subparsers(dest="config_command", required=True)
-    show = config_sub.add_parser("show", help="print every effective setting and where it came from "
-                                 "(flag, env, file, default), secrets redacted")
-    add_settings_flags(show)
-    show.set_defaults(handler=_config_show)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
