@@ -60,24 +60,23 @@ class Abort(Command[Any]):
 
 
 @dataclass(frozen=True, slots=True)
-class Unpin(Command[bool]):
+class _SessionCommand:
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Unpin(_SessionCommand, Command[bool]):
     """Release a session's pinned chain (its full blocks stay cached-free); whether it had one."""
 
-    session_id: str
-
 
 @dataclass(frozen=True, slots=True)
-class DropSession(Command[None]):
+class DropSession(_SessionCommand, Command[None]):
     """A deleted session: release its pin and forget it in the eviction forecast."""
 
-    session_id: str
-
 
 @dataclass(frozen=True, slots=True)
-class PinnedBlocks(Command[int]):
+class PinnedBlocks(_SessionCommand, Command[int]):
     """How many blocks the session's pin holds (0 when it has none)."""
-
-    session_id: str
 
 
 @dataclass(frozen=True, slots=True)
