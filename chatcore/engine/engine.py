@@ -154,9 +154,9 @@ class InferenceEngine:
         if core.device_lost is not None:
             self._lose_device(core.device_lost)
         self.preemptions = core.scheduler.preemptions
+        self._publish_pins()  # before the outputs: a finished turn's caller finds its session pinned
         for out in outputs:
             self._dispatch(out)
-        self._publish_pins()
         self._publish_quiet()
         return computed
 
