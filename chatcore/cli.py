@@ -200,9 +200,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Handler = args.handler
     if args.command in DEVICE_COMMANDS:
         from chatcore.models.device import DeviceUnavailable, resolve_device
+        from chatcore.models.int8_weights import check_weights
 
         try:
-            resolve_device(settings.device)
+            check_weights(settings.weights, resolve_device(settings.device))
             if settings.model != DEFAULT_MODEL:  # a missing model fails here, before a server starts
                 from chatcore.models.loader import (
                     resolve_model_path,  # transformers: seconds to import

@@ -49,6 +49,9 @@ class Settings(BaseSettings):
         "bfloat16 with AVX-512 BF16/AMX, else float32")
     kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="KV cache storage dtype; auto: the model's dtype (exact)")
+    weights: Literal["full", "int8"] = Field(
+        "full", description="full: the linears in the model's dtype; int8: the decoder layers' linears as int8 "
+        "weights (torchao, AWQ scales found at load; CPU only), the LM head and the rest in the model's dtype")
     threads: int = Field(0, description="torch threads; 0 keeps torch's default")
     cuda_graphs: bool = Field(True, description="on CUDA: capture the decode step as CUDA graphs at start, one per "
                               "batch size up to max_num_seqs (prefill runs eagerly)")

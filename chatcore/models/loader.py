@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from chatcore.models import paged_attention, support
 from chatcore.models.device import resolve_device, resolve_dtype
 from chatcore.models.errors import ModelNotFound, UnsupportedModel
 from chatcore.models.hub import is_hub_id, resolve_hub_id
+from chatcore.models.int8_weights import cache_file, check_weights, quantize_int8
 from chatcore.models.weight_layout import (
     pack_bfloat16_linears,
     store_linears_transposed,
@@ -83,6 +85,14 @@ def model_fingerprint(path: Path) -> str:
     return digest.hexdigest()[:32]
 
 
+def weights_fingerprint(fingerprint: str, weights: str) -> str:
+    """The fingerprint of the weights as served: int8 weights compute other KV than the full ones, so
+    their blocks (in the pool's hashes and on disk) must never be taken for each other's."""
+    if weights == "full":
+        return fingerprint
+    return hashlib.sha256(f"{fingerprint}/weights={weights}".encode()).hexdigest()[:32]
+
+
 def _stop_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     ids: set[int] = set()
     for source in (model.config, getattr(model, "generation_config", None)):
@@ -97,10 +107,13 @@ def _stop_ids(model: Any, tokenizer: Any) -> frozenset[int]:
 
 
 def load_model(settings: Settings) -> LoadedModel:
-    """The model on `settings.device`; raises `DeviceUnavailable` before reading any weights."""
+    """The model on `settings.device`; raises `DeviceUnavailable`, or `UnsupportedWeights` for
+    `weights=int8` where it cannot run, before reading any weights. With `weights=int8` the decoder
+    layers' linears are quantized first (`int8_weights.py`); the layout passes then leave them be."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(settings.device)
+    check_weights(settings.weights, device)
     path = resolve_model_path(settings)
     dtype = resolve_dtype(settings.dtype, device)
     name = paged_attention.register()
@@ -108,6 +121,10 @@ def load_model(settings: Settings) -> LoadedModel:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=name)
     model.to(device)
     model.eval()
+    if settings.weights == "int8":
+        started = time.perf_counter()
+        count = quantize_int8(model, path, tokenizer, cache_file(settings.cache_dir, model_fingerprint(path)))
+        log.info("weights=int8: %d linears quantized in %.1f s", count, time.perf_counter() - started)
     store_linears_transposed(model)
     profile = _profile(model, settings.model)
     pack_bfloat16_linears(model)
@@ -116,7 +133,7 @@ def load_model(settings: Settings) -> LoadedModel:
         model=model,
         tokenizer=tokenizer,
         path=path,
-        fingerprint=model_fingerprint(path),
+        fingerprint=weights_fingerprint(model_fingerprint(path), settings.weights),
         dtype=dtype,
         device=device,
         num_layers=model.config.num_hidden_layers,

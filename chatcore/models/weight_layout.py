@@ -10,6 +10,9 @@ SmolLM2-135M: 16 rows 78.6 -> 36.8 ms, 32 rows 91 -> 48 ms, 64 rows 78 -> 74 ms,
 The shape, the values and the module code stay as they are: only the storage order changes.
 float16 weights run 14x slower in that order, so they stay as loaded.
 
+Int8 linears (`weights=int8`, `int8_weights.py`) are quantized before these passes, which skip
+them (their weights are torchao tensors, whose int8 values the int8 kernel reads as they are).
+
 bfloat16: `F.linear` hands the weight to oneDNN, which re-lays it out into its blocked format on
 every call. Packing it once (`mkldnn._reorder_linear_weight`) and calling the packed GEMM gives
 the same bits and skips that work: 150 576x1536 linears, 2 threads, 1.3-1.6x faster at 1 to 512
@@ -22,6 +25,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from chatcore.models.int8_weights import is_plain
 
 PACK_ROWS_HINT = 64  # the row count oneDNN tunes the packed layout for; it serves every count
 _CHECK_ROWS = (1, 5, 64)
@@ -38,8 +43,9 @@ def store_linears_transposed(model: Any) -> int:
         if not isinstance(module, torch.nn.Linear):
             continue
         weight = module.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.float32 or not weight.is_contiguous():
-            continue
+        if not is_plain(weight) or weight.device.type != "cpu" or weight.dtype != torch.float32 \
+                or not weight.is_contiguous():
+            continue  # an int8 linear's weight (a torchao tensor) is laid out by torchao
         weight.data = weight.data.t().contiguous().t()
         moved += 1
     return moved
@@ -66,7 +72,7 @@ def pack_bfloat16_linears(model: Any) -> int:
     Nothing is packed where oneDNN has no bfloat16 GEMM, or where the packed product differs
     from `F.linear`'s in any bit on a probe (greedy output must not depend on the layout).
     """
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and is_plain(m.weight)
                and m.weight.device.type == "cpu" and m.weight.dtype == torch.bfloat16]
     if not linears or not _packed_gemm_matches(linears[0].weight):
         return 0
