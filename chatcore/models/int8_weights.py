@@ -1,27 +1,35 @@
 """Opt-in int8 weight-only linears (`weights=int8`): torchao quantizes, aten's CPU kernel multiplies.
 
-torchao's `Int8WeightOnlyConfig` stores each linear weight of the decoder layers as int8 with one
-symmetric scale per output row (its `Int8Tensor`: `qdata`, `scale`). Its own eager linear dequantizes
-the whole weight to the activations' dtype on every call, and leaves the fusion to `torch.compile`:
-on this CPU that reads and writes 5 bytes a weight instead of 1, and a decode step ran 3x slower than
-full precision (bench numbers below). The engine runs eagerly, so `Int8Linear` hands the same int8
-values and scales to `aten._weight_int8pack_mm`, the CPU kernel that reads the int8 weight once and
-accumulates in float32 (the kernel inductor itself lowers torchao's pattern to on the CPU).
+**The values.** Each linear of the decoder layers (attention and MLP projections, 210 in SmolLM2)
+becomes int8 with one symmetric scale per output row: torchao's `Int8WeightOnlyConfig` (its
+`Int8Tensor`: `qdata`, `scale`), under torchao's AWQ (`torchao.prototype.awq`), which also gives each
+linear a per-input-channel scale (`act_pre_scale`) chosen on calibration text so that the int8
+product best reproduces the float32 one. Plain per-row int8 agreed with the float32 model on 95-96%
+of greedy tokens (teacher-forced, 768 tokens of the fidelity prompts), below the 97% asked; with AWQ
+97.3-97.7%, as close as bfloat16 weights come (97.7%); per-group scales (groups of 64) did as well,
+but the kernel below takes one scale per row. The LM head keeps the model's dtype and layout (a tied
+head stays tied to the embedding).
 
-The kernel takes bfloat16, float16 or float32 activations, but its float32 path is scalar here
-(3.4 GB/s, against 34 GB/s for bfloat16): in a float32 model the linear's input is rounded to
-bfloat16 for it, and the product (accumulated in float32) comes back as float32. Measured
-2026-12-05 on the 2-core Xeon (AMX), one row through the 210 decoder linears and the LM head,
-weights streaming: bfloat16 packed 12.3 ms, int8 7.3 ms (3.5x slower in torchao's eager path);
-float32 16.7 ms, int8 with float32 input 41 ms.
+**Found once.** The search runs on a float32 copy of the weights (`find_int8`, 10-30 s on two cores,
+minutes on a busy machine) and its result is kept in `CACHE_DIR/int8/` (`cache_file`: named by the
+model's fingerprint, torchao's version, the search and the calibration text), so later loads, in
+any dtype, take a second or two.
 
-What is quantized: the linears inside the decoder layers (attention and MLP projections). The LM
-head keeps the model's dtype and layout (a tied head stays tied to the embedding); the
-`int8_head` argument quantizes it too, for measurements.
+**The product.** torchao's own eager linear dequantizes the whole weight to the activations' dtype on
+every call and leaves the fusion to `torch.compile`: it reads and writes 5 bytes a weight instead of
+1. The engine runs eagerly, so `Int8Linear` hands the int8 values and scales to
+`aten._weight_int8pack_mm`, the CPU kernel that reads the int8 weight once and accumulates in float32
+(inductor lowers torchao's pattern to the same kernel). Its float32 path is scalar here (3.4 GB/s,
+against 34 GB/s in bfloat16), so in a float32 model the scaled input is rounded to bfloat16 for it
+and the product comes back as float32. Measured 2026-12-05 on the 2-core Xeon (AMX), one row
+through the 210 linears and the LM head, weights streaming: bfloat16 packed 12.3 ms, the kernel
+with bfloat16 input 7.3 ms (9.9 ms with `ATEN_CPU_CAPABILITY=avx2`, as on an AVX2-only CPU),
+torchao's eager path 35.9 ms; float32 column-major 16.7 ms, the kernel with float32 input 41 ms.
 
-Composition with the rest of loading (`loader.py`): quantizing runs first, on the weights as
-loaded. The layout passes of `weight_layout.py` then skip every `Int8Linear` (their weights are
-torchao tensors, not plain ones) and still re-store or pack what stays in full precision.
+**Loading** (`loader.py`): quantizing runs first, on the weights as loaded; the layout passes of
+`weight_layout.py` then skip every `Int8Linear` (its weight is a torchao tensor, not a plain one) and
+still re-store or pack what stays in full precision. Int8 weights compute other KV than full ones:
+the loaded model's fingerprint says which (`loader.weights_fingerprint`).
 
 Where it cannot run it is refused in one line (`UnsupportedWeights`), never ignored: on a device
 other than the CPU (the kernel is the CPU's), and without torchao installed.
