@@ -139,13 +139,17 @@ def test_a_bad_cache_file_is_found_again(tiny: Path, tmp_path: Path) -> None:
 
 
 def test_the_forward_is_the_int8_product(tiny: Path, tmp_path: Path) -> None:
-    """An `Int8Linear` computes ((x * pre_scale) in the kernel's dtype) @ int8^T * row scales."""
+    """An `Int8Linear` computes (x * pre_scale) @ int8^T * row scales: up to `KERNEL_MAX_ROWS` rows in
+    the kernel (its input rounded to bfloat16), more through a dequantized copy in the model's dtype."""
     loaded = load_model(Settings(model=str(tiny), dtype="float32", device="cpu", weights="int8", cache_dir=tmp_path))
     linear = _decoder_linears(loaded.model)[0]
-    x = torch.randn(3, linear.in_features)
-    rows = (x * linear.int8_pre_scale).to(torch.bfloat16).float()
-    expected = rows @ linear.weight.qdata.float().t() * linear.int8_scales.float()
-    torch.testing.assert_close(linear(x), expected, rtol=2e-2, atol=2e-2)
+    for rows in (3, int8_weights.KERNEL_MAX_ROWS, int8_weights.KERNEL_MAX_ROWS + 1, 100):
+        x = torch.randn(rows, linear.in_features)
+        scaled = x * linear.int8_pre_scale
+        if rows <= int8_weights.KERNEL_MAX_ROWS:
+            scaled = scaled.to(torch.bfloat16).float()
+        expected = scaled @ linear.weight.qdata.float().t() * linear.int8_scales.float()
+        torch.testing.assert_close(linear(x), expected, rtol=2e-2, atol=2e-2)
     assert int8_weights.is_plain(torch.nn.Parameter(torch.zeros(1))) and not int8_weights.is_plain(linear.weight)
 
 

@@ -26,6 +26,11 @@ through the 210 linears and the LM head, weights streaming: bfloat16 packed 12.3
 with bfloat16 input 7.3 ms (9.9 ms with `ATEN_CPU_CAPABILITY=avx2`, as on an AVX2-only CPU),
 torchao's eager path 35.9 ms; float32 column-major 16.7 ms, the kernel with float32 input 41 ms.
 
+Rows past `KERNEL_MAX_ROWS` (a prefill chunk, a large batch) take another path: the kernel works a
+row at a time, so for them the weight is dequantized to the model's dtype for one GEMM (a copy per
+call, 2-4 bytes a weight: transient, never kept). A cold 189-token prompt's first token took 324-440
+ms with the kernel for every row, against 69-98 ms with full weights.
+
 **Loading** (`loader.py`): quantizing runs first, on the weights as loaded; the layout passes of
 `weight_layout.py` then skip every `Int8Linear` (its weight is a torchao tensor, not a plain one) and
 still re-store or pack what stays in full precision. Int8 weights compute other KV than full ones:
@@ -51,6 +56,10 @@ from chatcore.models.errors import ModelUnavailable
 WEIGHTS = ("full", "int8")
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 KERNEL_ALIGNMENT = 64  # bytes: where aten._weight_int8pack_mm's int8 operand must start
+# The kernel is a matrix-vector product per row: its time grows with the rows, and past about 32 a
+# dequantized copy of the weight and one GEMM win (1536x576 in bfloat16, 2 threads: 1 row 0.037 ms
+# against 0.35; 32 rows 0.40 against 0.45; 64 rows 0.67 against 0.64; 189 rows 2.65 against 0.76).
+KERNEL_MAX_ROWS = 32
 
 
 class UnsupportedWeights(ModelUnavailable):
@@ -76,16 +85,21 @@ class Int8Linear(torch.nn.Linear):
     """An `nn.Linear` whose weight is torchao's `Int8Tensor` (int8 `qdata` [out, in], one scale per
     row, and AWQ's per-input-channel `act_pre_scale`), multiplied by `aten._weight_int8pack_mm` in
     `kernel_dtype`: the input times `int8_pre_scale` (in the model's dtype), rounded to `kernel_dtype`,
-    times the int8 values, times `int8_scales` (in `kernel_dtype`). `weight` keeps the model's dtype
-    and shape for whoever reads them."""
+    times the int8 values, times `int8_scales` (in `kernel_dtype`); more than `KERNEL_MAX_ROWS` rows
+    multiply a dequantized copy instead. `weight` keeps the model's dtype and shape for whoever reads
+    them."""
 
     int8_scales: torch.Tensor
     int8_pre_scale: torch.Tensor
     kernel_dtype: torch.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = (x.reshape(-1, x.shape[-1]) * self.int8_pre_scale).to(self.kernel_dtype)
-        y = torch.ops.aten._weight_int8pack_mm(rows, self.weight.qdata, self.int8_scales)
+        rows = x.reshape(-1, x.shape[-1]) * self.int8_pre_scale
+        if rows.shape[0] > KERNEL_MAX_ROWS:  # a prefill: the weight dequantized, one GEMM in the model's dtype
+            weight = self.weight.qdata.to(x.dtype) * self.int8_scales.to(x.dtype)[:, None]
+            y = torch.nn.functional.linear(rows, weight)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(rows.to(self.kernel_dtype), self.weight.qdata, self.int8_scales)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
