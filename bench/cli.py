@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from chatcore.config import Settings
 
-SUITES = ["throughput", "multiturn", "hitrate", "memory", "sharing", "resume", "server", "sessions"]
+SUITES = ["single", "throughput", "multiturn", "hitrate", "memory", "sharing", "resume", "server", "sessions"]
 OPTIONS = ("sessions", "turns", "kv_cache_gb", "kv_disk_gb")  # suite parameters (the sessions suite's)
 
 
@@ -71,7 +71,7 @@ def bench_command(args: argparse.Namespace, settings: Settings) -> int:
     torch.set_num_threads(threads)
     ctx = Context(settings=settings, quick=bool(args.quick), tiny=tiny, out=out, threads=threads, log=_log,
                   options={key: getattr(args, key, None) for key in OPTIONS})
-    mode = {"quick": ctx.quick, "tiny": tiny, "dtype": ctx.dtype_name, "threads": threads,
+    mode = {"quick": ctx.quick, "tiny": tiny, "dtype": ctx.dtype_name, "weights": settings.weights, "threads": threads,
             "block_size": settings.block_size}
 
     path = out / "results.json"

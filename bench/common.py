@@ -233,6 +233,7 @@ class Context:
             "transformers": transformers.__version__,
             "python": platform.python_version(),
             "dtype": self.dtype_name,
+            "weights": self.settings.weights,
             "block_size": self.settings.block_size,
             "quick": self.quick,
             "tiny": self.tiny,
@@ -306,3 +307,67 @@ def model_gemm_seconds(config: Any, dtype: torch.dtype, rows: int, reps: int = 5
         _sync(device)
         samples.append(time.perf_counter() - t0)
     return min(samples)
+
+
+def _leaves(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors behind `tensor`: itself, or a tensor subclass's inner tensors (torchao's int8
+    weight: its int8 values and scales), recursively."""
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [leaf for name in names if (inner := getattr(tensor, name)) is not None for leaf in _leaves(inner)]
+
+
+def _add_storage(seen: dict[Any, int], tensor: torch.Tensor | None) -> None:
+    for leaf in _leaves(tensor) if tensor is not None else []:
+        if leaf.is_mkldnn:  # oneDNN's packed layout (an opaque tensor, no storage to look at)
+            seen[("mkldnn", id(leaf))] = leaf.numel() * leaf.element_size()
+            continue
+        storage = leaf.untyped_storage()
+        seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+
+
+def weight_bytes(model: Any) -> dict[str, int]:
+    """The bytes of the loaded weights, each storage counted once:
+
+    * `read`: what one decode step reads for each sequence: every linear as the forward multiplies it
+      (a packed bfloat16 copy, `weight_layout.PackedLinear.packed`; int8 values with their scales,
+      `int8_weights.Int8Linear`; else the weight), the norms and every other parameter and buffer,
+      but not an input embedding table (a token reads one row of it) unless a linear reads the same
+      storage (an LM head tied to it);
+    * `held`: every storage the model holds (tensor subclasses by their inner tensors; stand-ins of
+      packed weights by their few bytes), packed copies and int8 scales included."""
+    read: dict[Any, int] = {}
+    held: dict[Any, int] = {}
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    for module in model.modules():
+        extra = [getattr(module, name, None) for name in ("packed", "int8_scales", "int8_pre_scale")]
+        for tensor in extra:
+            _add_storage(held, tensor)
+        if isinstance(module, torch.nn.Linear):
+            int8 = hasattr(module, "int8_scales")
+            inputs = [module.weight.qdata] if int8 else [] if hasattr(module, "packed") else [module.weight]
+            for tensor in inputs + extra + [module.bias]:
+                _add_storage(read, tensor)
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            _add_storage(held, tensor)
+            if not isinstance(module, torch.nn.Linear) and id(tensor) not in embeddings:
+                _add_storage(read, tensor)
+    return {"read": sum(read.values()), "held": sum(held.values())}
+
+
+def copy_bandwidth(nbytes: int, reps: int = 5, device: torch.device | None = None) -> float:
+    """Bytes per second of the best of `reps` copies of an `nbytes` tensor into another, counting the
+    bytes read and the bytes written (2 x nbytes a copy), at the run's torch threads."""
+    device = device or torch.device("cpu")
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best

@@ -30,6 +30,22 @@ def plot(suite: str, result: dict[str, Any], out: Path) -> list[str]:
     return fn(result, out) if fn else []
 
 
+def _plot_single(r: dict[str, Any], out: Path) -> list[str]:
+    names = {"chatcore": "chatcore", "hf_static": "HF static\ncache", "hf_static_compiled": "HF static\ncompiled",
+             "llama_server": "llama-server"}
+    systems = [k for k in names if r["systems"].get(k, {}).get("decode_tok_s")]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar([names[k] for k in systems], [r["systems"][k]["decode_tok_s"] for k in systems],
+           color=["tab:green" if k == "chatcore" else "tab:gray" for k in systems])
+    bound = r["memory_bound_tok_s"]
+    ax.axhline(bound, color="tab:red", linestyle="--", label=f"memory bound {bound:.0f} tok/s")
+    ax.axhline(0.7 * bound, color="tab:red", linestyle=":", label="70% of it (target)")
+    ax.set_ylabel("decode tokens/s, one chat")
+    ax.set_title(f"one chat, {r['sizes']['new_tokens']} tokens, {r['dtype']}, {r['weights']} weights")
+    ax.legend(fontsize=8)
+    return [_save(fig, out, "single")]
+
+
 def _plot_throughput(r: dict[str, Any], out: Path) -> list[str]:
     systems = [k for k in LABELS if r["systems"].get(k, {}).get("tok_s") is not None]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))

@@ -35,11 +35,13 @@ def _num(value: Any, digits: int = 3) -> str:
 def markdown_table(data: dict[str, Any]) -> str:
     machine = data.get("machine", {})
     mode = "tiny" if machine.get("tiny") else "quick" if machine.get("quick") else "full"
+    flags = ", ".join(machine.get("cpu_flags") or []) or "none of avx2, avx512f, avx512_bf16, amx_bf16"
     lines = [
-        f"Measured on {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, {machine.get('threads', '?')} "
-        f"torch threads, torch {machine.get('torch', '?')}, transformers {machine.get('transformers', '?')}, "
-        f"{machine.get('dtype', '?')}, block size {machine.get('block_size', '?')} ({mode} run). Medians of repeats; "
-        "every baseline was measured in the same run.",
+        f"Measured on {machine.get('cpu', '?')} ({flags}), {machine.get('cores', '?')} cores, "
+        f"{machine.get('threads', '?')} torch threads, torch {machine.get('torch', '?')}, transformers "
+        f"{machine.get('transformers', '?')}, {machine.get('dtype', '?')}, {machine.get('weights', 'full')} weights, "
+        f"block size {machine.get('block_size', '?')} ({mode} run). Medians of repeats; every baseline was measured "
+        "in the same run.",
         "",
         "| suite | target | measured | goal | |",
         "|---|---|---|---|---|",
@@ -50,6 +52,7 @@ def markdown_table(data: dict[str, Any]) -> str:
         verdict = verdict if verdict in ("met", "reported") else f"**{verdict}**"
         lines.append(f"| {t['suite']} | {t['name']} | {_num(t['value'])} | {goal} | {verdict} |")
     suites = data.get("suites", {})
+    lines += _single_table(suites.get("single", {}))
     thr = suites.get("throughput", {}).get("systems")
     if thr:
         lines += ["", ("| system (throughput suite) | output tok/s | mean TTFT from arrival (s) | decode tok/s | "
@@ -95,6 +98,41 @@ def markdown_table(data: dict[str, Any]) -> str:
         if s.get("error"):
             lines.append(f"\nSuite {name} failed: {s['error']}")
     return "\n".join(lines) + "\n"
+
+
+SINGLE_SYSTEMS = {"chatcore": "chatcore (in-process engine)",
+                  "hf_static": "transformers `generate`, static cache",
+                  "hf_static_compiled": "transformers `generate`, static cache, compiled",
+                  "llama_server": "llama.cpp `llama-server`"}
+
+
+def _single_table(suite: dict[str, Any]) -> list[str]:
+    systems = suite.get("systems")
+    if not systems:
+        return []
+    lines = ["", "| system (single suite: one chat) | decode tok/s | ITL p50 / p99 (ms) | TTFT (ms) | "
+             "share of the memory bound |", "|---|---|---|---|---|"]
+    bound = suite.get("memory_bound_tok_s") or float("nan")
+    for key, label in SINGLE_SYSTEMS.items():
+        s = systems.get(key, {})
+        if "decode_tok_s" not in s:
+            why = s.get("skipped") or s.get("compile", {}).get("error") or "not measured"
+            lines.append(f"| {label} | n/a: {why} | | | |")
+            continue
+        ttft = _num(s["ttft_s"] * 1e3) if s.get("ttft_s") is not None else "n/a"
+        if key == "chatcore":
+            ttft = f"{ttft} cold, {_num(systems.get('chatcore_warm', {}).get('ttft_s', float('nan')) * 1e3)} warm"
+        lines.append(f"| {label} | {_num(s['decode_tok_s'])} | {_num(s.get('itl_p50_ms'))} / "
+                     f"{_num(s.get('itl_p99_ms'))} | {ttft} | {_num(s['decode_tok_s'] / bound)} |")
+    memory = suite.get("memory", {})
+    warm = suite.get("systems", {}).get("chatcore_warm", {})
+    lines.append(f"\nOne chat: {suite.get('prompt_tokens')} prompt tokens, {suite.get('sizes', {}).get('new_tokens')} "
+                 f"new tokens, {suite.get('dtype')}, {suite.get('weights')} weights. Memory bound "
+                 f"{_num(bound)} tok/s: {_num(memory.get('weight_bytes_read', 0) / 1e6)} MB of weights read per token "
+                 f"at {_num(memory.get('copy_bandwidth_bytes_s', 0) / 1e9)} GB/s (a copy, bytes read + written). "
+                 f"The warm turn: {_num(warm.get('prompt_tokens'))} prompt tokens, "
+                 f"{_num(warm.get('cached_tokens'))} from the prefix cache.")
+    return lines
 
 
 def _sessions_table(suite: dict[str, Any]) -> list[str]:

@@ -78,7 +78,8 @@ def test_bench_all_quick_tiny(bench_all_quick_tiny: BenchRun) -> None:
     data = bench_all_quick_tiny.results
     assert data["machine"]["tiny"] and data["machine"]["cpu"] and data["machine"]["torch"]
     suites = data["suites"]
-    assert set(suites) == {"throughput", "multiturn", "hitrate", "memory", "sharing", "resume", "server", "sessions"}
+    assert set(suites) == {"single", "throughput", "multiturn", "hitrate", "memory", "sharing", "resume", "server",
+                           "sessions"}
     for name, suite in suites.items():
         assert "error" not in suite, (name, suite.get("error"))
         assert suite["targets"], name
@@ -86,11 +87,11 @@ def test_bench_all_quick_tiny(bench_all_quick_tiny: BenchRun) -> None:
             assert {"name", "value", "op", "threshold", "met", "verdict"} <= set(t)
         for plot in suite["plots"]:
             assert (tmp_path / plot).stat().st_size > 1000
-    assert len(data["targets"]) == 19
+    assert len(data["targets"]) == 20
     assert [t["name"] for t in data["targets"] if t["met"] is None] == [
         suites["hitrate"]["targets"][0]["name"], suites["memory"]["targets"][0]["name"]]  # reported, no verdict
     table = (tmp_path / "table.md").read_text()
-    assert table.count("\n| ") >= 19 and table.count("| reported |") == 2
+    assert table.count("\n| ") >= 20 and table.count("| reported |") == 2
     assert suites["throughput"]["systems"]["llama_cpp"]["skipped"]
     throughput = suites["throughput"]
     assert throughput["systems"]["chatcore_no_sharing"]["cached_tokens"] == 0 < throughput["systems"]["chatcore"]["cached_tokens"]
@@ -203,3 +204,100 @@ def test_sessions_suite_tiny(bench_all_quick_tiny: BenchRun) -> None:
     assert len(suite["targets"]) == 4
     assert (bench_all_quick_tiny.out / "sessions.png").stat().st_size > 1000
     assert "| overflow (6 x 3) |" in (bench_all_quick_tiny.out / "table.md").read_text()
+
+
+@pytest.mark.model
+def test_single_suite_tiny(bench_all_quick_tiny: BenchRun) -> None:
+    """The single suite of the shared tiny run: one chat through the engine, its warm turn from the
+    prefix cache, the memory bound from the loaded weights' bytes and a copy measured in the run,
+    and every baseline measured, or skipped with the reason found at run time."""
+    import shutil
+
+    from chatcore.bench.single import LLAMA_SERVER
+
+    data = bench_all_quick_tiny.results
+    suite = data["suites"]["single"]
+    assert "error" not in suite, suite.get("error")
+    systems = suite["systems"]
+    new = suite["sizes"]["new_tokens"]
+    chatcore = systems["chatcore"]
+    assert chatcore["tokens"] == new and chatcore["decode_tok_s"] > 0 and chatcore["cached_tokens"] == 0
+    assert 0 < chatcore["itl_p50_ms"] <= chatcore["itl_p99_ms"] and chatcore["ttft_s"] > 0
+    warm = systems["chatcore_warm"]
+    assert warm["prompt_tokens"] > suite["prompt_tokens"] + new and warm["cached_tokens"] >= suite["prompt_tokens"]
+    memory = suite["memory"]
+    assert memory["weight_bytes_read"] > 100e6 and memory["copy_bandwidth_bytes_s"] > 1e9
+    assert suite["memory_bound_tok_s"] == pytest.approx(memory["copy_bandwidth_bytes_s"] / memory["weight_bytes_read"])
+    assert suite["decode_fraction_of_bound"] == pytest.approx(chatcore["decode_tok_s"] / suite["memory_bound_tok_s"])
+    (bound,) = suite["targets"]
+    assert bound["op"] == ">=" and bound["threshold"] == 0.7 and bound["value"] == suite["decode_fraction_of_bound"]
+    assert systems["hf_static"]["tokens"] == new and systems["hf_static"]["decode_tok_s"] > 0
+    compiled = systems["hf_static_compiled"]
+    assert compiled["compile"]["backend"] == "eager"  # tiny: dynamo without inductor's C++ build
+    assert compiled.get("decode_tok_s") or compiled["compile"]["error"]
+    if shutil.which(LLAMA_SERVER) is None:
+        assert systems["llama_server"] == {"skipped": f"{LLAMA_SERVER} is not on PATH"}
+    table = (bench_all_quick_tiny.out / "table.md").read_text()
+    assert "| system (single suite: one chat) |" in table and data["machine"]["cpu_flags"] is not None
+    assert f"{data['machine']['dtype']}, full weights" in table
+
+
+FAKE_LLAMA_SERVER = """#!{python}
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+        self.wfile.write(b'{{"status": "ok"}}')
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert isinstance(body["prompt"], list) and body["ignore_eos"] is True, body
+        reply = {{"timings": {{"predicted_n": body["n_predict"], "predicted_per_second": 99.0, "prompt_ms": 12.0,
+                              "predicted_per_token_ms": 10.1}}}}
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def test_llama_server_on_path_is_run_on_the_gguf_and_asked_over_http(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stand-in `llama-server` on PATH: the suite starts it on the model's GGUF, waits for /health,
+    and reads one request's decode rate from /completion's timings; with none on PATH, the reason."""
+    from types import SimpleNamespace
+
+    from chatcore.bench import single
+
+    ctx = SimpleNamespace(settings=SimpleNamespace(model="default"), threads=2)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert single.LlamaServer.start(ctx).skipped == "llama-server is not on PATH"
+    fake = tmp_path / "llama-server"
+    fake.write_text(FAKE_LLAMA_SERVER.format(python=sys.executable))
+    fake.chmod(0o755)
+    gguf = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(single, "_gguf", lambda _ctx: gguf)
+    server = single.LlamaServer.start(ctx)
+    try:
+        assert server.skipped is None and server.weights == "Q4_1", server.skipped
+        assert server.complete([1, 2, 3], 16) == {"tokens": 16, "decode_tok_s": 99.0, "prefill_s": 0.012,
+                                                  "itl_mean_ms": 10.1}
+    finally:
+        server.stop()
+    assert server.process is not None and server.process.poll() is not None
+    monkeypatch.setattr(single, "_gguf", lambda _ctx: None)
+    assert single.LlamaServer.start(ctx).skipped.startswith("no GGUF file for model default")
