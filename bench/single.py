@@ -60,7 +60,7 @@ COMPILE_ERRORS = (RuntimeError, AssertionError, TypeError, ValueError, NotImplem
 
 def sizes(ctx: Context) -> dict[str, Any]:
     if ctx.tiny:
-        return {"system": 40, "user": 24, "follow_up": 16, "new_tokens": 8, "copy_mib": 64, "compile": "eager"}
+        return {"system": 40, "user": 24, "follow_up": 16, "new_tokens": 8, "copy_mib": 128, "compile": "eager"}
     if ctx.quick:
         return {"system": 60, "user": 50, "follow_up": 40, "new_tokens": 64, "copy_mib": 256, "compile": "inductor"}
     return {"system": 100, "user": 80, "follow_up": 60, "new_tokens": 256, "copy_mib": 512, "compile": "inductor"}
