@@ -8,8 +8,8 @@ transformers' continuous batching.
 
 Baselines (same model, dtype and threads):
 * `generate` one request at a time (in arrival order; TTFT from arrival includes the wait);
-* static batched `generate`, left-padded (every request's first token comes after the whole
-  batch's prefill);
+* static batched `generate`, left-padded, with transformers' static cache (preallocated, written
+  in place; every request's first token comes after the whole batch's prefill);
 * transformers' continuous batching `generate_batch`, page 32, block sharing on.
 
 chatcore runs twice per repeat: with prefix sharing (the requests share one cache scope, so the
@@ -87,7 +87,7 @@ def run(ctx: Context) -> dict[str, Any]:
     seq_prompts = prompts[: sz["sequential_requests"]]
     run_batch(core, warm, SamplingParams(max_tokens=4, ignore_eos=True))
     baselines.hf_one(model, warm[0], 2)
-    baselines.hf_static(model, warm, 2, pad)
+    baselines.hf_static(model, warm, 2, pad, config=baselines.static_cache_config(model, 2, pad))
     cb_error = None
     try:
         baselines.hf_continuous(model, warm, 2)
@@ -112,7 +112,8 @@ def run(ctx: Context) -> dict[str, Any]:
         steps.append(model_gemm_seconds(ctx.hf_model.config, ctx.dtype, sz["requests"],
                                         reps=2 if ctx.quick or ctx.tiny else 5, device=ctx.loaded.device))
         runs["hf_sequential"].append(baselines.hf_sequential(model, seq_prompts, new))
-        runs["hf_static"].append(baselines.hf_static(model, prompts, new, pad))
+        runs["hf_static"].append(baselines.hf_static(model, prompts, new, pad,
+                                                     config=baselines.static_cache_config(model, new, pad)))
         if cb_error is None:
             runs["hf_generate_batch"].append(baselines.hf_continuous(model, prompts, new))
         ctx.log("    tok/s: " + ", ".join(f"{k} {v[-1].tok_s:.1f}" for k, v in runs.items() if v))

@@ -1,7 +1,10 @@
 """Honest baselines (issue 36, target 6): a verdict is inconclusive when the baseline it compares with
-moved by more than 20% between repeats. Pure functions."""
+moved by more than 20% between repeats, and transformers' static batching and cold prefill run on
+its static cache. Pure functions, and a tiny random model for the transformers paths (no download)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -55,3 +58,57 @@ def test_targets_without_baseline_runs_are_unchanged() -> None:
     assert plain["verdict"] == "met" and plain["detail"] == "detail"
     assert plain["baseline_runs"] is None and plain["baseline_spread"] is None
     assert reported("figure", 1.5)["verdict"] == "reported"
+
+
+def _tiny_model():
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.tiny_models import SHAPE
+
+    config = AutoConfig.for_model("llama", **{**SHAPE, "vocab_size": 300, "bos_token_id": 1, "eos_token_id": 2,
+                                              "pad_token_id": 0})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def test_static_batching_uses_the_static_cache_and_decodes_the_same_tokens() -> None:
+    import torch
+
+    from chatcore.bench import baselines
+
+    model = _tiny_model()
+    prompts = [[5 + i % 200 for i in range(n)] for n in (9, 23, 16)]
+    config = baselines.static_cache_config(model, 6, 0)
+    assert config.cache_implementation == "static" and not config.do_sample and config.min_new_tokens == 6
+    run = baselines.hf_static(model, prompts, 6, 0, config=config)
+    assert run.note == "static cache" and run.output_tokens == 3 * 6
+    assert baselines.hf_static(model, prompts, 6, 0).note == "dynamic cache"
+
+    def tokens(cfg) -> torch.Tensor:
+        width = max(map(len, prompts))
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        with torch.inference_mode():
+            return model.generate(ids, attention_mask=mask, generation_config=cfg)[:, width:]
+
+    assert torch.equal(tokens(config), tokens(baselines.greedy_config(model, 6, 0)))
+
+
+def test_hf_cold_ttft_is_a_prefill_and_the_greedy_first_token() -> None:
+    import torch
+
+    from chatcore.bench import baselines
+
+    model = _tiny_model()
+    prompt = [7 + (3 * i) % 250 for i in range(40)]
+    first, seconds = baselines.hf_cold_ttft(model, prompt)
+    assert seconds > 0 and not math.isnan(seconds)
+    config = baselines.greedy_config(model, 1)
+    config.min_new_tokens = None  # EOS allowed, as the plain argmax allows it
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), generation_config=config)
+    assert first == int(out[0, -1])
