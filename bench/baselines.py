@@ -1,5 +1,6 @@
 """The transformers baselines: `generate` one request at a time, static batched `generate`
-with left padding, and transformers' own continuous batching (`generate_batch`).
+with left padding and transformers' static cache, transformers' own continuous batching
+(`generate_batch`), and a cold prefill of one prompt into a static cache (`hf_cold_ttft`).
 
 All take token-id prompts, decode greedily with EOS disabled (so every request produces exactly
 `max_new_tokens`), and report times measured from the moment the requests were handed over.
@@ -64,6 +65,36 @@ def greedy_config(model: Any, max_new_tokens: int, pad_token_id: int | None = No
     return config
 
 
+def static_cache_config(model: Any, max_new_tokens: int, pad_token_id: int | None = None) -> GenerationConfig:
+    """`greedy_config` with transformers' static cache (`cache_implementation="static"`): `generate`
+    allocates the KV cache once at prompt + `max_new_tokens` and writes each step in place, instead
+    of a `DynamicCache` that grows by `torch.cat` every step. Same greedy tokens.
+
+    On a GPU, `generate` then compiles its decode step itself. On the CPU it does not:
+    transformers compiles there only when a private flag asks (`CompileConfig._compile_all_devices`,
+    "often not optimal, but useful for testing purposes"), so the eager static cache is the
+    library's own path on the CPU, and the one measured (docs/benchmarks.md, "throughput")."""
+    config = greedy_config(model, max_new_tokens, pad_token_id)
+    config.cache_implementation = "static"
+    return config
+
+
+@torch.inference_mode()
+def hf_cold_ttft(model: Any, prompt: list[int]) -> tuple[int, float]:
+    """transformers' cold prefill of one prompt, batch 1: one forward over the whole prompt into a
+    fresh static cache (`StaticCache`, allocated by that forward as `generate` allocates it), then
+    the first token, greedy. Returns (that token's id, TTFT in seconds). The LM head runs on the
+    last position only (`logits_to_keep=1`, as `generate`'s prefill does)."""
+    from transformers import StaticCache
+
+    ids = torch.tensor([prompt], device=model.device)
+    t0 = time.perf_counter()
+    cache = StaticCache(config=model.config, max_cache_len=len(prompt) + 1)
+    logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+    first = int(logits[0, -1].argmax())  # on a GPU this waits for the forward
+    return first, time.perf_counter() - t0
+
+
 @torch.inference_mode()
 def hf_one(model: Any, prompt: list[int], max_new_tokens: int) -> tuple[int, float, float]:
     """One request through `generate`: (new tokens, TTFT s, total s)."""
@@ -98,7 +129,7 @@ def hf_sequential(model: Any, prompts: list[list[int]], max_new_tokens: int) -> 
 def hf_static(model: Any, prompts: list[list[int]], max_new_tokens: int, pad_token_id: int,
               config: GenerationConfig | None = None) -> BatchRun:
     """All requests in one left-padded batch: nobody gets a token before the whole batch's prefill.
-    `config` replaces the greedy one (a static cache, say); it must decode `max_new_tokens` greedily."""
+    `config` replaces the greedy one (`static_cache_config`, say); it must decode `max_new_tokens` greedily."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -115,7 +146,8 @@ def hf_static(model: Any, prompts: list[list[int]], max_new_tokens: int, pad_tok
     assert clock.first is not None
     new = out.shape[1] - width
     decode = (len(prompts) * (new - 1)) / (wall - (clock.first - t0)) if new > 1 else None
-    return BatchRun(wall, len(prompts) * new, [clock.first - t0] * len(prompts), decode_tok_s=decode)
+    return BatchRun(wall, len(prompts) * new, [clock.first - t0] * len(prompts), decode_tok_s=decode,
+                    note=f"{config.cache_implementation or 'dynamic'} cache")
 
 
 @torch.inference_mode()

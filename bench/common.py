@@ -40,13 +40,47 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
+# A baseline whose repeats spread wider than this, (max - min) / median, makes a verdict inconclusive.
+BASELINE_MOVED = 0.20
+
+
+def baseline_spread(baseline_runs: list[float]) -> float | None:
+    """How far a baseline moved between repeats: (max - min) / median of its per-repeat values
+    (NaN ones left out). None with fewer than two values, or a median of 0."""
+    measured = [v for v in baseline_runs if not math.isnan(v)]
+    if len(measured) < 2 or statistics.median(measured) == 0:
+        return None
+    return (max(measured) - min(measured)) / abs(statistics.median(measured))
+
+
+def baseline_note(baseline_runs: list[float]) -> str:
+    """What a target's detail says about its baseline's repeats: how far it moved, or that it was
+    measured once (a single repeat checks nothing) or not at all."""
+    measured = [v for v in baseline_runs if not math.isnan(v)]
+    if not measured:
+        return "baseline not measured"
+    if len(measured) == 1:
+        return "baseline measured in one repeat only: whether it moved is not checked"
+    spread = baseline_spread(measured)
+    values = ", ".join(f"{v:.4g}" for v in measured)
+    if spread is None:
+        return f"baseline repeats {values}"
+    moved = f", more than {BASELINE_MOVED:.0%}: inconclusive" if spread > BASELINE_MOVED else ""
+    return f"baseline moved {spread:.0%} between {len(measured)} repeats ({values}){moved}"
+
+
 def target(name: str, value: float, op: str, threshold: float, detail: str = "",
-           runs: list[float] | None = None) -> dict[str, Any]:
+           runs: list[float] | None = None, baseline_runs: list[float] | None = None) -> dict[str, Any]:
     """A target, judged `value op threshold` (op one of '>=' and '<='): verdict met or missed.
 
     `runs` are the per-repeat values behind `value`. When some of them meet the threshold and
     others do not, the repeats spread wider than the margin to it and the verdict is
     `inconclusive`, which is never met (`met` False, and `chatcore bench` exits 1 as for a miss).
+
+    `baseline_runs` are the per-repeat values of the figure `value` compares with (the baseline's
+    tok/s, TTFT, ceiling...). When it moved by more than `BASELINE_MOVED` between repeats
+    (`baseline_spread`), the comparison is not trusted: the verdict is `inconclusive` too. Given,
+    the detail ends with `baseline_note` (its spread, or that it was measured once).
     """
     def holds(v: float) -> bool:
         return not math.isnan(v) and (v >= threshold if op == ">=" else v <= threshold)
@@ -55,8 +89,14 @@ def target(name: str, value: float, op: str, threshold: float, detail: str = "",
     measured = [v for v in runs or [] if not math.isnan(v)]
     if len(measured) > 1 and len({holds(v) for v in measured}) > 1:
         verdict = "inconclusive"
+    spread = baseline_spread(baseline_runs) if baseline_runs is not None else None
+    if spread is not None and spread > BASELINE_MOVED:
+        verdict = "inconclusive"
+    if baseline_runs is not None:
+        detail = f"{detail}; {baseline_note(baseline_runs)}" if detail else baseline_note(baseline_runs)
     return {"name": name, "value": value, "op": op, "threshold": threshold, "met": verdict == "met",
-            "verdict": verdict, "runs": list(runs or []), "detail": detail}
+            "verdict": verdict, "runs": list(runs or []), "detail": detail,
+            "baseline_runs": None if baseline_runs is None else list(baseline_runs), "baseline_spread": spread}
 
 
 def reported(name: str, value: float, detail: str = "") -> dict[str, Any]:

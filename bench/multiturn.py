@@ -109,7 +109,10 @@ def run(ctx: Context) -> dict[str, Any]:
             "hf_generate_ttft_ms": median(hf[t]) if t in hf else None,
         })
     last = turns[-1]
-    cold = min(last["chatcore_no_cache_ttft_ms"], last["hf_generate_ttft_ms"])  # the faster cold answer
+    # The faster cold answer is the baseline; its per-repeat values judge whether it moved.
+    cold_name, cold, cold_runs = min(
+        ("chatcore with the prefix cache off", last["chatcore_no_cache_ttft_ms"], off[last["turn"]]),
+        ("transformers generate", last["hf_generate_ttft_ms"], hf[last["turn"]]), key=lambda c: c[1])
     ratio = last["chatcore_ttft_ms"] / cold
     return {
         "sizes": sz, "repeats": reps, "turns": turns,
@@ -118,7 +121,8 @@ def run(ctx: Context) -> dict[str, Any]:
         "ratio_last_turn_vs_hf": last["chatcore_ttft_ms"] / last["hf_generate_ttft_ms"],
         "targets": [target(f"TTFT at turn {last['turn']} <= 0.1x the faster cold answer (prefix cache off, "
                            "transformers)", ratio, "<=", 0.1,
-                           f"{last['chatcore_ttft_ms']:.0f} ms vs {last['chatcore_no_cache_ttft_ms']:.0f} ms with the "
-                           f"cache off and {last['hf_generate_ttft_ms']:.0f} ms in transformers, at "
-                           f"{last['prompt_tokens']} prompt tokens")],
+                           f"{last['chatcore_ttft_ms']:.0f} ms vs the faster cold answer at {last['prompt_tokens']} "
+                           f"prompt tokens, {cold_name}: {cold:.0f} ms (cache off "
+                           f"{last['chatcore_no_cache_ttft_ms']:.0f} ms, transformers "
+                           f"{last['hf_generate_ttft_ms']:.0f} ms)", baseline_runs=cold_runs)],
     }

@@ -60,7 +60,7 @@ def markdown_table(data: dict[str, Any]) -> str:
         names = {"chatcore": "chatcore (in-process engine), prefix sharing",
                  "chatcore_no_sharing": "chatcore, each request in its own cache scope (no sharing)",
                  "hf_sequential": "transformers `generate`, one at a time",
-                 "hf_static": "transformers static batched `generate`",
+                 "hf_static": "transformers static batched `generate` (static cache)",
                  "hf_generate_batch": "transformers `generate_batch` (CB, sharing)"}
         for key, label in names.items():
             s = thr.get(key, {})
