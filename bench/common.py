@@ -371,23 +371,26 @@ def weight_bytes(model: Any) -> dict[str, int]:
     """The bytes of the loaded weights, each storage counted once:
 
     * `read`: what one decode step reads for each sequence: every linear as the forward multiplies it
-      (a packed bfloat16 copy, `weight_layout.PackedLinear.packed`; int8 values with their scales,
-      `int8_weights.Int8Linear`; else the weight), the norms and every other parameter and buffer,
-      but not an input embedding table (a token reads one row of it) unless a linear reads the same
-      storage (an LM head tied to it);
+      at one row (a packed bfloat16 linear's copy in the few-row kernel's layout,
+      `weight_layout.PackedLinear.few_rows`, where it has one, else its oneDNN copy, `packed`; int8
+      values with their scales, `int8_weights.Int8Linear`; else the weight), the norms and every
+      other parameter and buffer, but not an input embedding table (a token reads one row of it)
+      unless a linear reads the same storage (an LM head tied to it);
     * `held`: every storage the model holds (tensor subclasses by their inner tensors; stand-ins of
-      packed weights by their few bytes), packed copies and int8 scales included."""
+      packed weights by their few bytes), packed and few-row copies and int8 scales included."""
     read: dict[Any, int] = {}
     held: dict[Any, int] = {}
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     for module in model.modules():
-        extra = [getattr(module, name, None) for name in ("packed", "int8_scales", "int8_pre_scale")]
-        for tensor in extra:
+        few_rows, packed, *scales = [getattr(module, name, None)
+                                     for name in ("few_rows", "packed", "int8_scales", "int8_pre_scale")]
+        for tensor in [few_rows, packed, *scales]:
             _add_storage(held, tensor)
         if isinstance(module, torch.nn.Linear):
             int8 = hasattr(module, "int8_scales")
             inputs = [module.weight.qdata] if int8 else [] if hasattr(module, "packed") else [module.weight]
-            for tensor in inputs + extra + [module.bias]:
+            copy = few_rows if few_rows is not None else packed  # the copy a one-row step multiplies
+            for tensor in [*inputs, copy, *scales, module.bias]:
                 _add_storage(read, tensor)
         for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
             _add_storage(held, tensor)

@@ -29,11 +29,11 @@ from chatcore.config import Settings
 from chatcore.engine import detok
 from chatcore.engine.core import EngineCore
 from chatcore.engine.request import SamplingParams
-from chatcore.kernels import native
+from chatcore.kernels import cpu_linear, native
 from chatcore.models.loader import load_model
 
 OP_GROUPS = {
-    "matmul": {"aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"},
+    "matmul": {"aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", cpu_linear.PROFILER_NAME},
     "attention math": {"aten::_softmax", "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::masked_fill_",
                        "aten::exp", "aten::amax", "aten::sub", "aten::div_", "aten::baddbmm", native.PROFILER_NAME},
     "K/V gather and write": {"aten::index", "aten::index_put_", "aten::_index_put_impl_", "aten::index_select",

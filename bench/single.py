@@ -10,8 +10,9 @@ Measured per repeat, each system after an untimed warm-up:
   time)); then a warm turn: the first prompt + its answer + the end-of-turn tokens + a follow-up
   user turn, in the same scope, so the whole history comes from the prefix cache; its TTFT.
 * the memory bound: `weight_bytes(model)["read"]` (every weight a decode step reads, as the loaded
-  model holds it: packed bfloat16 copies, int8 values and scales) over the copy bandwidth measured
-  right after chatcore's turns (the best of a few copies of a large tensor, bytes read + written).
+  model holds it: the few-row kernel's bfloat16 copies, else the packed ones, int8 values and
+  scales) over the copy bandwidth measured right after chatcore's turns (the best of a few copies
+  of a large tensor, bytes read + written).
   One token cannot be decoded faster than its weights stream in; `decode_fraction_of_bound` is
   chatcore's decode rate over that bound, per repeat (target: >= 0.7).
 * transformers `generate` on the same prompt, batch 1, greedy, its static cache

@@ -1,7 +1,9 @@
-"""The CPU decode attention in C (`kernels/cpu_decode.c`), built on first use and called through ctypes.
+"""The CPU's C kernels, built on first use into one library and called through ctypes: the decode
+attention (`kernels/cpu_decode.c`, wrapped here) and the few-row bfloat16 linear
+(`kernels/cpu_linear.c`, wrapped by kernels/cpu_linear.py).
 
-It takes float32, bfloat16 and float16 queries and caches (float16 where the compiler has
-`_Float16`), in any mix, and computes in float32.
+The decode attention takes float32, bfloat16 and float16 queries and caches (float16 where the
+compiler has `_Float16`), in any mix, and computes in float32.
 
 The library is compiled once per source, compiler and CPU (`-march=native`, so the key holds the
 CPU's flags) into `$XDG_CACHE_HOME/chatcore/kernels` (default `~/.cache`), written to a
@@ -37,7 +39,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+SOURCES = (Path(__file__).with_name("cpu_decode.c"), Path(__file__).with_name("cpu_linear.c"))
 PROFILER_NAME = "kernels::paged_decode_c"  # how a call shows in torch.profiler (bench/profile_step.py)
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
 LIBS = ("-lmvec", "-lm")
@@ -67,8 +69,9 @@ def _cpu_flags() -> str:
 def library_name(compiler: str) -> str:
     """The cached library's file name: a hash of the source, flags, compiler version and CPU."""
     version = subprocess.run([compiler, "--version"], check=False, capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *LIBS, version, _cpu_flags()]).encode()).hexdigest()
-    return f"cpu_decode-{key[:16]}.so"
+    sources = [source.read_text() for source in SOURCES]
+    key = hashlib.sha256("\0".join([*sources, *FLAGS, *LIBS, version, _cpu_flags()]).encode()).hexdigest()
+    return f"cpu_kernels-{key[:16]}.so"
 
 
 def _not_ours_alone(info: os.stat_result) -> str | None:
@@ -88,7 +91,7 @@ def _cache_folder() -> Path | None:
     problem = _not_ours_alone(info) if stat.S_ISDIR(info.st_mode) else "is not a folder (a link?)"
     if problem is None:
         return folder
-    log.warning("the kernel cache %s %s: the C decode attention is built in a private temporary folder instead",
+    log.warning("the kernel cache %s %s: the C kernels are built in a private temporary folder instead",
                 folder, problem)
     return None
 
@@ -97,7 +100,7 @@ def _compile(compiler: str, target: Path) -> None:
     handle, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(handle)
     try:
-        result = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE), *LIBS],
+        result = subprocess.run([compiler, *FLAGS, "-o", partial, *map(str, SOURCES), *LIBS],
                                 check=False, capture_output=True, text=True, timeout=300)
         if result.returncode:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
@@ -153,27 +156,36 @@ def _build_and_load(compiler: str) -> ctypes.CDLL:
 
 
 @functools.cache
-def _library() -> tuple[Callable[..., int], frozenset[torch.dtype]] | None:
-    """The kernel and the dtypes it reads, or None when it cannot be built."""
+def library() -> ctypes.CDLL | None:
+    """The C kernels' library, built or loaded on the first call; None (one warning) when it cannot be."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.warning("no C compiler found: CPU decode attention uses the torch reference (slower)")
+        log.warning("no C compiler found: CPU decode attention uses the torch reference, few-row linears oneDNN (slower)")
         return None
     try:
-        library = _build_and_load(compiler)
+        return _build_and_load(compiler)
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        log.warning("building kernels/cpu_decode.c failed, CPU decode attention uses the torch reference: %s", error)
+        log.warning("building the C kernels failed: CPU decode attention uses the torch reference, few-row linears "
+                    "oneDNN: %s", error)
         return None
-    function = library.chatcore_paged_decode
+
+
+@functools.cache
+def _decode() -> tuple[Callable[..., int], frozenset[torch.dtype]] | None:
+    """The decode attention and the dtypes it reads, or None when the library cannot be built."""
+    loaded = library()
+    if loaded is None:
+        return None
+    function = loaded.chatcore_paged_decode
     function.argtypes = _ARGTYPES
     function.restype = ctypes.c_int
-    dtypes = {torch.float32, torch.bfloat16} | ({torch.float16} if library.chatcore_has_f16() else set())
+    dtypes = {torch.float32, torch.bfloat16} | ({torch.float16} if loaded.chatcore_has_f16() else set())
     return function, frozenset(dtypes)
 
 
 def available() -> bool:
     """Whether the C decode attention is built and loaded (builds it on the first call)."""
-    return _library() is not None
+    return _decode() is not None
 
 
 def accepts(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -181,9 +193,9 @@ def accepts(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
     """Whether these (already validated) arguments can take the C path: CPU tensors of dtypes it
     reads, in the layouts it indexes, and no autograd graph to record. Builds the library on the
     first call."""
-    library = _library()
-    return (library is not None and query.device.type == "cpu" and query.dtype in library[1]
-            and key_cache.dtype in library[1]
+    decode = _decode()
+    return (decode is not None and query.device.type == "cpu" and query.dtype in decode[1]
+            and key_cache.dtype in decode[1]
             and not (torch.is_grad_enabled() and query.requires_grad)
             and query.is_contiguous() and key_cache.is_contiguous() and value_cache.is_contiguous()
             and query.shape[-1] % (16 if key_cache.dtype == torch.bfloat16 else 8) == 0
@@ -196,8 +208,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
 
     Raises ValueError when a context is longer than its table row holds or needs a block id
     outside the pool (nothing is read out of bounds)."""
-    library = _library()
-    if library is None:
+    decode = _decode()
+    if decode is None:
         raise RuntimeError("the C decode attention is not available")
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
@@ -206,7 +218,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         raise ValueError("a context is longer than its block table holds")
     out = torch.empty_like(query)
     with torch.profiler.record_function(PROFILER_NAME):
-        status = library[0](
+        status = decode[0](
             query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads,
             head_dim, block_size, num_blocks, max_context, scale, _KINDS[query.dtype], _KINDS[key_cache.dtype],

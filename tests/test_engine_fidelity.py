@@ -119,13 +119,16 @@ def auto_models(loaded_fp32, hf_model):
     return loaded, AutoModelForCausalLM.from_pretrained(loaded.path, dtype=dtype).eval()
 
 
-def test_a_prompt_past_one_prefill_chunk_matches_in_the_auto_dtype(auto_models, monkeypatch) -> None:
+def test_a_prompt_past_one_prefill_chunk_matches_in_the_auto_dtype(auto_models, hf_model, monkeypatch) -> None:
     """Issue 14, item 5: a prompt longer than one 512-token prefill chunk, 64 generated tokens,
     in the benchmarked dtype. fp32 must be exact. In bf16 (CPUs with native bf16 matmuls) the
     engine and transformers round differently (attention kernels, accumulation order), so a
     near-tie can flip and the texts then diverge. There, given the same text before each token,
     transformers must rank the engine's token first >= 90% of the time, and everywhere else
-    within two bf16 steps of its top logit: a tie at bf16's resolution, not a wrong token.
+    within two bf16 steps of its top logit, or within transformers' own bf16 error at that token
+    (the most any logit there moves from float32; the engine's few-row linears,
+    kernels/cpu_linear.py, sum in another order than transformers' GEMM): a tie at bf16's
+    resolution, not a wrong token.
     The second chunk continues 512 cached tokens with 512 more: in float32 it takes the CPU's
     cascade attention (`CASCADE_MIN_WORK`), the third the shifted-mask SDPA."""
     import torch
@@ -154,14 +157,20 @@ def test_a_prompt_past_one_prefill_chunk_matches_in_the_auto_dtype(auto_models, 
         assert ours == hf_greedy(reference, prompt, 64)
         assert len(ours) == 64
         return
+    text = torch.tensor([prompt + ours[:-1]])
     with torch.inference_mode():
-        logits = reference(torch.tensor([prompt + ours[:-1]])).logits[0, len(prompt) - 1:].float()
+        logits = reference(text).logits[0, len(prompt) - 1:].float()
+        full = hf_model(text).logits[0, len(prompt) - 1:].float()
     top = logits.max(dim=-1).values
     gaps = (top - logits[torch.arange(len(ours)), torch.tensor(ours)]).tolist()
     # One bf16 step at the top logit's magnitude: logits this close are a tie at bf16's resolution.
     steps = torch.exp2(torch.floor(torch.log2(top.abs())) - 7).tolist()
+    # transformers' own bf16 error there (against float32): the engine rounds in another order.
+    noise = (logits - full).abs().max(dim=-1).values.tolist()
     agreement = sum(gap == 0 for gap in gaps) / len(ours)
     print(f"bf16 top-1 agreement with transformers: {agreement:.3f} over {len(ours)} tokens; gaps where not: "
           f"{[gap for gap in gaps if gap]}")
     assert agreement >= 0.9
-    assert all(gap <= 2 * step for gap, step in zip(gaps, steps, strict=True)), list(zip(gaps, steps, strict=True))
+    far = [(i, gap, step, error) for i, (gap, step, error) in enumerate(zip(gaps, steps, noise, strict=True))
+           if gap > max(2 * step, error)]
+    assert not far, far

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from chatcore.config import Settings
+from chatcore.kernels import cpu_linear
 from chatcore.models.loader import load_model
 from chatcore.models.weight_layout import (
     PackedLinear,
@@ -74,7 +75,13 @@ def test_packed_bfloat16_linears_compute_the_same_bits(tmp_path: Path, tied: boo
     ids = torch.randint(3, 250, (3, 40))
     with torch.inference_mode():
         assert torch.equal(packed(ids).logits, reference(ids).logits)
-        assert torch.equal(packed(ids[:1, :1]).logits, reference(ids[:1, :1]).logits)
+        one_row, expected = packed(ids[:1, :1]).logits, reference(ids[:1, :1]).logits
+    few_rows = [linear.few_rows is not None for linear in _linears(packed)]
+    assert all(few_rows) if cpu_linear.available() else not any(few_rows)
+    if cpu_linear.available():  # one row takes the few-row kernel: the same sums, in another order
+        torch.testing.assert_close(one_row, expected, rtol=0.05, atol=0.05)
+    else:
+        assert torch.equal(one_row, expected)
     head, embed = packed.get_output_embeddings(), packed.get_input_embeddings()
     assert (head.weight is embed.weight) == tied
     for linear in _linears(packed):
@@ -90,3 +97,27 @@ def test_loader_packs_bfloat16_linears_where_the_cpu_matches(tmp_path: Path) -> 
     loaded = load_model(Settings(model=str(folder), dtype="bfloat16", device="cpu"))
     packed = [isinstance(linear, PackedLinear) for linear in _linears(loaded.model)]
     assert all(packed) if _bfloat16_packing_here() else not any(packed)
+
+
+def test_packed_linears_take_the_few_row_kernel_up_to_its_rows_only(tmp_path: Path) -> None:
+    if not (_bfloat16_packing_here() and cpu_linear.available()):
+        pytest.skip("no oneDNN bfloat16 GEMM or no AVX512-BF16 here: nothing is packed or laid out")
+    linear = torch.nn.Linear(64, 40, bias=True).bfloat16()
+    reference = torch.nn.Linear(64, 40, bias=True).bfloat16()
+    reference.load_state_dict(linear.state_dict())
+    model = torch.nn.Sequential(linear)
+    assert pack_bfloat16_linears(model) == 1 and isinstance(linear, PackedLinear) and linear.few_rows is not None
+    with torch.inference_mode():
+        for rows in range(1, 9):
+            x = torch.randn(rows, 64).bfloat16()
+            expected = (cpu_linear.linear(x, linear.few_rows, 40, linear.bias) if rows <= cpu_linear.MAX_ROWS
+                        else reference(x))
+            assert torch.equal(linear(x), expected), rows
+
+
+def test_no_few_row_copy_where_it_would_take_too_much_memory(tmp_path: Path, monkeypatch) -> None:
+    if not _bfloat16_packing_here():
+        pytest.skip("oneDNN has no bfloat16 GEMM matching F.linear on this CPU: nothing is packed")
+    monkeypatch.setattr("chatcore.models.weight_layout.FEW_ROWS_MEMORY_SHARE", 1e-12)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 40).bfloat16())
+    assert pack_bfloat16_linears(model) == 1 and model[0].few_rows is None

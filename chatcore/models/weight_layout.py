@@ -17,18 +17,28 @@ bfloat16: `F.linear` hands the weight to oneDNN, which re-lays it out into its b
 every call. Packing it once (`mkldnn._reorder_linear_weight`) and calling the packed GEMM gives
 the same bits and skips that work: 150 576x1536 linears, 2 threads, 1.3-1.6x faster at 1 to 512
 rows on a Xeon with AMX and on an AMD EPYC with avx512_bf16; the LM head 1.5-2x at 1 to 64 rows.
+Up to `cpu_linear.MAX_ROWS` rows (a decode step of a few chats) the C few-row linear is faster
+still (kernels/cpu_linear.py): where the CPU has AVX512-BF16, and where a second copy of the
+linears' weights takes at most `FEW_ROWS_MEMORY_SHARE` of the machine's memory, each packed
+linear also keeps its weight in that kernel's layout. Its outputs may differ from oneDNN's in the
+last bit (another summation order), so a sequence's logits can depend on how many rows its step
+had; greedy float32 output, which does not use either, stays exact.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import os
+
 import torch
 import torch.nn.functional as F
 
+from chatcore.kernels import cpu_linear
 from chatcore.models.int8_weights import is_plain
 
 PACK_ROWS_HINT = 64  # the row count oneDNN tunes the packed layout for; it serves every count
+FEW_ROWS_MEMORY_SHARE = 1 / 16  # the most of the machine's memory the few-row kernel's copies may take
 _CHECK_ROWS = (1, 5, 64)
 
 
@@ -61,8 +71,11 @@ class PackedLinear(torch.nn.Linear):
     """
 
     packed: torch.Tensor
+    few_rows: torch.Tensor | None  # the weight in kernels/cpu_linear.py's layout, for up to MAX_ROWS rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.few_rows is not None and x.numel() <= cpu_linear.MAX_ROWS * self.in_features:
+            return cpu_linear.linear(x, self.few_rows, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -80,13 +93,22 @@ def pack_bfloat16_linears(model: Any) -> int:
     for module in model.modules():
         for param in module.parameters(recurse=False):
             owners[id(param)] = owners.get(id(param), 0) + 1
+    few_rows = _few_rows_fit(linears)
     for module in linears:
         weight = module.weight
         module.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+        module.few_rows = cpu_linear.lay_out(weight) if few_rows else None
         module.__class__ = PackedLinear
         if owners[id(weight)] == 1:
             weight.data = torch.zeros((), dtype=weight.dtype).expand(weight.shape)
     return len(linears)
+
+
+def _few_rows_fit(linears: list[torch.nn.Linear]) -> bool:
+    """Whether the few-row kernel runs here and a second copy of these weights fits its memory share."""
+    copy_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return cpu_linear.available() and copy_bytes <= memory * FEW_ROWS_MEMORY_SHARE
 
 
 def _packed_gemm_matches(weight: torch.Tensor) -> bool:
