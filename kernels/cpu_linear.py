@@ -77,7 +77,7 @@ def linear(x: torch.Tensor, laid_out: torch.Tensor, out_features: int, bias: tor
     x = x.contiguous()
     bias = None if bias is None else bias.detach().to(torch.bfloat16).contiguous()
     out = torch.empty(*x.shape[:-1], out_features, dtype=torch.bfloat16)
-    with torch.profiler.record_function(PROFILER_NAME):
+    with native.traced(PROFILER_NAME):
         kernel[0](x.data_ptr(), laid_out.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
                   rows, out_features, in_features, torch.get_num_threads())
     return out
