@@ -105,6 +105,13 @@ def admin_cache(server: Server) -> dict[str, Any]:
         return json.loads(response.read())
 
 
+def delete_session(server: Server, session_id: str) -> None:
+    """`DELETE /v1/sessions/{id}`: the server drops the session's pin, its disk-tier entries and its rows."""
+    request = urllib.request.Request(f"{server.base_url}/v1/sessions/{session_id}", method="DELETE")
+    with urllib.request.urlopen(request, timeout=60):
+        pass
+
+
 @dataclass
 class TurnResult:
     done: dict[str, Any]

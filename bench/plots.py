@@ -157,6 +157,8 @@ def _plot_sessions(r: dict[str, Any], out: Path) -> list[str]:
         ax.plot(turns, [t["ttft_median_ms"] for t in run["per_turn"]], "o-", color=color, label=f"{name}: median")
         ax.plot(turns, [t["ttft_p90_ms"] for t in run["per_turn"]], ":", color=color, label=f"{name}: p90")
         ax.axhline(run["cold"]["ttft_ms"], color=color, linestyle="--", alpha=0.6, label=f"{name}: cold, final length")
+        if "hot" in run:  # results of runs before the hot baseline have none
+            ax.axhline(run["hot"]["ttft_ms"], color=color, linestyle="-.", alpha=0.6, label=f"{name}: hot, final turn")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("turn (all sessions round-robin)")
     ax.set_ylabel("TTFT (ms)")

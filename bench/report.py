@@ -140,14 +140,16 @@ def _sessions_table(suite: dict[str, Any]) -> list[str]:
     if not runs:
         return []
     policies = ("lru", "cost", "session", "belady", "one_slot")
-    lines = ["", "| sessions run | tiers (device / disk blocks) | final-turn TTFT median (ms) | cold (ms) | ratio | "
-             "from disk: turns, ratio | replay hit rate: " + " / ".join(policies) + " |", "|---|---|---|---|---|---|---|"]
+    lines = ["", "| sessions run | tiers (device / disk blocks) | final-turn TTFT median (ms) | hot (ms) | / hot | "
+             "cold (ms) | / cold | from disk: turns, / hot | replay hit rate: " + " / ".join(policies) + " |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in runs.items():
         hits = r["replay"]["policies"]
         lines.append(f"| {name} ({r['sessions']} x {r['turns']}) | {_num(r['device_blocks'])} / "
                      f"{_num(r['disk_blocks'])} | {_num(r['per_turn'][-1]['ttft_median_ms'])} | "
+                     f"{_num(r.get('hot', {}).get('ttft_ms'))} | {_num(r.get('final_over_hot'))} | "
                      f"{_num(r['cold']['ttft_ms'])} | {_num(r['final_over_cold'])} | {r['disk_final']['turns']}, "
-                     f"{_num(r['disk_final']['over_cold'])} | "
+                     f"{_num(r['disk_final'].get('over_hot'))} | "
                      + " / ".join(f"{hits[p]['hit_rate']:.1%}" if p in hits else "n/a" for p in policies) + " |")
     for name, r in runs.items():
         lines += ["", f"Run {name}, per turn (means of tokens over its sessions; TTFT from the server's `done` frames):",
@@ -157,6 +159,8 @@ def _sessions_table(suite: dict[str, Any]) -> list[str]:
             lines.append(f"| {t['turn']} | {t['mean_prompt_tokens']:.0f} | {t['mean_cached_device_tokens']:.0f} | "
                          f"{t['mean_cached_disk_tokens']:.0f} | {t['mean_recomputed_tokens']:.0f} | "
                          f"{_num(t['ttft_median_ms'])} | {_num(t['ttft_p90_ms'])} |")
+        if "hot" in r:  # results of runs before the hot baseline have none
+            lines.append(f"| hot, the final turn of sessions alone on the server | | | | | {_num(r['hot']['ttft_ms'])} | |")
         lines.append(f"| cold, a fresh session of the final turn's length | | | | | {_num(r['cold']['ttft_ms'])} | |")
     return lines
 

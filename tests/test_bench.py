@@ -87,12 +87,12 @@ def test_bench_all_quick_tiny(bench_all_quick_tiny: BenchRun) -> None:
             assert {"name", "value", "op", "threshold", "met", "verdict"} <= set(t)
         for plot in suite["plots"]:
             assert (tmp_path / plot).stat().st_size > 1000
-    assert len(data["targets"]) == 23
+    assert len(data["targets"]) == 25
     assert [t["name"] for t in data["targets"] if t["met"] is None] == [  # reported, no verdict
-        suites[s]["targets"][i]["name"] for s, i in (("hitrate", 0), ("memory", 0), ("resume", 1), ("sessions", 1),
-                                                      ("sessions", 3))]
+        suites[s]["targets"][i]["name"] for s, i in (("hitrate", 0), ("memory", 0), ("resume", 1),
+                                                      *(("sessions", i) for i in range(1, 6)))]
     table = (tmp_path / "table.md").read_text()
-    assert table.count("\n| ") >= 23 and table.count("| reported |") == 5
+    assert table.count("\n| ") >= 25 and table.count("| reported |") == 8
     assert suites["throughput"]["systems"]["llama_cpp"]["skipped"]
     throughput = suites["throughput"]
     assert throughput["systems"]["chatcore_no_sharing"]["cached_tokens"] == 0 < throughput["systems"]["chatcore"]["cached_tokens"]
@@ -110,13 +110,13 @@ def test_baselines_are_named_and_their_repeats_judged(bench_all_quick_tiny: Benc
     """Issue 36, target 6, in the tiny run (one repeat: every baseline says it was measured once)."""
     suites = bench_all_quick_tiny.results["suites"]
     # targets with a timed baseline
-    timed = {"single": 1, "throughput": 7, "multiturn": 1, "resume": 1, "server": 1, "sessions": 3}
+    timed = {"single": 1, "throughput": 7, "multiturn": 1, "resume": 1, "server": 1, "sessions": 2}
     for name, count in timed.items():
         judged = [t for t in suites[name]["targets"] if t.get("baseline_runs") is not None]
         assert len(judged) == count, name
         for t in judged:
             assert " vs " in t["detail"], t
-            if name == "sessions":  # its cold is measured twice, before and after the trace
+            if name == "sessions":  # its hot baseline is measured twice, before and after the trace
                 assert len(t["baseline_runs"]) == 2 and "between 2 repeats" in t["detail"], t
             else:
                 assert len(t["baseline_runs"]) == 1 and "one repeat only" in t["detail"], t
@@ -125,11 +125,27 @@ def test_baselines_are_named_and_their_repeats_judged(bench_all_quick_tiny: Benc
     row = suites["resume"]["rows"][-1]
     assert row["hf_cold_ttft_ms"] > 0 and abs(row["hf_cold_prompt_tokens"] - row["history_tokens"]) <= 2
     assert suites["resume"]["targets"][1]["value"] == pytest.approx(row["disk_ttft_ms"] / row["hf_cold_ttft_ms"])
+    block = suites["sessions"]["block_size"]
     for run in suites["sessions"]["runs"].values():
         hf = run["hf_cold"]
         assert len(hf["probes"]) == 6 and hf["ttft_ms"] == min(hf["before_ms"], hf["after_ms"]) > 0
         assert [p["prompt_tokens"] for p in hf["probes"]] == [p["prompt_tokens"] for p in run["cold"]["probes"]]
         assert run["final_over_hf_cold"] == pytest.approx(run["per_turn"][-1]["ttft_median_ms"] / hf["ttft_ms"])
+        hot = run["hot"]  # three probe sessions before the trace, three after, each taking every turn back to back
+        assert len(hot["sessions"]) == 6 and all(len(turns) == run["turns"] for turns in hot["sessions"])
+        assert hot["probes"] == [turns[-1] for turns in hot["sessions"]]
+        assert hot["ttft_ms"] == min(hot["before_ms"], hot["after_ms"]) > 0 and hot["served_hot"] == 6
+        for probe in hot["probes"]:  # the final turn's length, its history (less the answer's last token) pinned
+            assert abs(probe["prompt_tokens"] - run["per_turn"][-1]["mean_prompt_tokens"]) <= 2
+            assert probe["served_hot"] and probe["cached_disk_tokens"] == 0
+            assert probe["history_tokens"] - block <= probe["cached_device_tokens"] < probe["prompt_tokens"]
+        assert run["final_over_hot"] > 0
+        assert run["final_over_hot"] == pytest.approx(run["per_turn"][-1]["ttft_median_ms"] / hot["ttft_ms"])
+    judged = [t for t in suites["sessions"]["targets"] if t.get("baseline_runs") is not None]
+    assert [t["name"].split(":")[0] for t in judged] == ["3x3", "overflow"]
+    assert all(t["name"].endswith("x hot") for t in judged)
+    assert all(t["baseline_runs"] == [run["hot"]["before_ms"], run["hot"]["after_ms"]]
+               for t, run in zip(judged, suites["sessions"]["runs"].values(), strict=True))
 
 
 def test_a_missed_target_fails_the_run_unless_no_fail() -> None:
@@ -221,7 +237,7 @@ def test_sessions_suite_tiny(bench_all_quick_tiny: BenchRun) -> None:
         for probe in run["cold"]["probes"]:  # the final turn's length, nothing past the shared template prefix
             assert abs(probe["prompt_tokens"] - last["mean_prompt_tokens"]) <= 2
             assert probe["cached_tokens"] < first["mean_prompt_tokens"]
-        assert run["final_over_cold"] > 0
+        assert run["final_over_cold"] > 0 and run["final_over_hot"] > 0
         replayed = run["replay"]
         assert set(replayed["policies"]) >= {"lru", "cost", "belady", "one_slot"}
         assert replayed["prompt_tokens"] == pytest.approx(replayed["prompt_tokens_live"], rel=0.02)
@@ -229,7 +245,9 @@ def test_sessions_suite_tiny(bench_all_quick_tiny: BenchRun) -> None:
     overflow = suite["runs"]["overflow"]
     assert overflow["settings"]["num_blocks"] == overflow["device_blocks"] == overflow["server_tiers"]["device"]["blocks"]
     assert overflow["disk_blocks"] > 0 and overflow["working_set_over_tiers"] > 1
-    assert len(suite["targets"]) == 6
+    assert len(suite["targets"]) == 8
+    if overflow["disk_final"]["turns"]:  # final turns that read from the disk tier, over hot
+        assert overflow["disk_final"]["over_hot"] > 0
     assert (bench_all_quick_tiny.out / "sessions.png").stat().st_size > 1000
     assert "| overflow (6 x 3) |" in (bench_all_quick_tiny.out / "table.md").read_text()
 

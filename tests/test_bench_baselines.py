@@ -60,6 +60,55 @@ def test_targets_without_baseline_runs_are_unchanged() -> None:
     assert reported("figure", 1.5)["verdict"] == "reported"
 
 
+def _sessions_run(hot_before: float, hot_after: float, device_cached: int) -> dict:
+    """A sessions run's summary (`bench.sessions._summary`) from made-up turns: one final turn of 1,000
+    tokens at 120 ms, 800 of its 900 history tokens read from disk; hot probes whose pins held `device_cached`."""
+    from chatcore.bench import sessions
+
+    def turn(ttft: float, cached_device: int, cached_disk: int, history: int = 0) -> dict:
+        return {"ttft_ms": ttft, "prompt_tokens": 1000, "cached_tokens": cached_device + cached_disk,
+                "cached_device_tokens": cached_device, "cached_disk_tokens": cached_disk,
+                "recomputed_tokens": 1000 - cached_device - cached_disk, "history_tokens": history}
+
+    probes = [[turn(500.0, 0, 0), turn(ms, device_cached, 0, 900)] for ms in (hot_before,) * 3 + (hot_after,) * 3]
+    cold = [turn(1000.0, 0, 0)] * 6
+    run = sessions._summary([[turn(120.0, 100, 800)]], sessions._hot(probes, 16), cold, cold)
+    return {"sessions": 1, "turns": 2, "working_set_over_tiers": 1.5, **run,
+            "replay": {"policies": {p: {"hit_rate": 0.5, "of_belady": 1.0} for p in ("session", "belady", "lru",
+                                                                                      "one_slot")}}}
+
+
+def test_sessions_targets_compare_with_hot_and_judge_its_repeats() -> None:
+    """Issue 36, target 5: a run's final turn against hot (the same turn on pinned sessions), from disk
+    on the overflow run; the hot probes' medians before and after the trace are the baseline's repeats."""
+    from chatcore.bench import sessions
+
+    run = _sessions_run(100.0, 110.0, 899)
+    assert run["hot"]["ttft_ms"] == 100.0 and run["hot"]["served_hot"] == 6
+    assert run["final_over_hot"] == pytest.approx(1.2) and run["disk_final"]["over_hot"] == pytest.approx(1.2)
+    targets = sessions._targets({"64x10": run, "overflow": run}, "session")
+    judged = [t for t in targets if t["verdict"] != "reported"]
+    assert [(t["name"], t["verdict"]) for t in judged] == [
+        ("64x10: final-turn median TTFT <= 1.25x hot", "met"),
+        ("overflow: final turns from the disk tier, median TTFT <= 1.6x hot", "met"),
+        ("overflow replay: session policy hit rate >= 80% of Belady's", "met")]
+    assert judged[0]["baseline_runs"] == [100.0, 110.0] and "120 ms vs hot TTFT" in judged[0]["detail"]
+    assert "1 of 1 final turns had disk hits, median 120 ms vs hot TTFT" in judged[1]["detail"]
+    assert [t["name"] for t in targets if t["verdict"] == "reported"] == [
+        "64x10: final-turn median TTFT / cold", "64x10: final-turn median TTFT / transformers cold prefill",
+        "overflow (1.50x the tiers): final-turn median TTFT / hot", "overflow: final-turn median TTFT / cold",
+        "overflow: final-turn median TTFT / transformers cold prefill"]
+    # The hot baseline moved 30% between before and after the trace: inconclusive.
+    moved_run = _sessions_run(100.0, 130.0, 899)
+    moved = sessions._targets({"64x10": moved_run, "overflow": moved_run}, "session")
+    assert [t["verdict"] for t in moved if " hot" in t["name"] and t["verdict"] != "reported"] == ["inconclusive"] * 2
+    # A probe whose final turn missed its pin (half its history recomputed) was no hot baseline: inconclusive.
+    cold_probes = _sessions_run(100.0, 110.0, 450)
+    assert cold_probes["hot"]["served_hot"] == 0
+    missed = sessions._targets({"64x10": cold_probes, "overflow": cold_probes}, "session")
+    assert missed[0]["verdict"] == "inconclusive" and "not a hot baseline" in missed[0]["detail"]
+
+
 def _tiny_model():
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
