@@ -17,11 +17,11 @@ first such step, `profiled` more run under `torch.profiler` instead (not timed) 
 (`step_ops`): linears (the matmul ops), attention (chatcore's paged attention function: K/V
 writes, the decode kernel), norms/RoPE/activations (every other op in and around the forward:
 RMSNorm, RoPE, SiLU, the residual adds, the embedding, the logits' cast), sampling (the ops under
-`EngineCore._sample`), and Python (the step's wall time minus all its ops' self time: the
+`EngineCore._sample`), and Python/other (the step's wall time minus all its ops' self time: the
 interpreter, scheduling, the dispatcher, the profiler's own cost). Everything but the linears over
 the linears: <= 0.25.
 
-Prefill (target 3): prompts of ~1,100 tokens, each in a cache scope of its own, added at once with
+Prefill (target 3): prompts of ~1,100 tokens (2.2 chunks), each in a cache scope of its own, added at once with
 `max_tokens=1` (so no step decodes): the engine runs them in chunks of `max_batch_tokens` tokens
 (512 on the CPU), packed across prompts, each chunk attending over its prompt's earlier chunks. The
 figure is a full chunk's tokens over the median time of the full-chunk steps, against the chain's
@@ -43,18 +43,27 @@ from chatcore.engine.request import SamplingParams
 DECODE_TARGET = 1.25  # decode step / the chain at 64 rows, at most
 NON_LINEAR_TARGET = 0.25  # everything but the linears / the linears, in the profiled decode step, at most
 PREFILL_TARGET = 0.70  # prefill tok/s / the chain's tok/s at 512 rows, at least
-BREAKDOWN = ("linears", "attention", "norms/RoPE/activations", "sampling", "Python")
+BREAKDOWN = ("linears", "attention", "norms/RoPE/activations", "sampling", "Python/other")
 
 
 def sizes(ctx: Context) -> dict[str, int]:
     if ctx.tiny:
         return {"requests": 4, "system": 60, "user": 24, "new_tokens": 6, "profiled": 1,
-                "prefill_prompts": 1, "prefill_system": 60, "prefill_user": 560, "chain_reps": 2}
+                "prefill_prompts": 1, "prefill_chunks": 1, "chain_reps": 2}
     if ctx.quick:
         return {"requests": 64, "system": 150, "user": 50, "new_tokens": 24, "profiled": 2,
-                "prefill_prompts": 2, "prefill_system": 100, "prefill_user": 1000, "chain_reps": 3}
+                "prefill_prompts": 2, "prefill_chunks": 2, "chain_reps": 3}
     return {"requests": 64, "system": 300, "user": 100, "new_tokens": 64, "profiled": 3,
-            "prefill_prompts": 4, "prefill_system": 100, "prefill_user": 1000, "chain_reps": 5}
+            "prefill_prompts": 4, "prefill_chunks": 2, "chain_reps": 5}
+
+
+def prefill_prompts(ctx: Context, core: EngineCore, count: int, chunks: int) -> list[list[int]]:
+    """`count` distinct prompts of about `chunks` chunks and a fifth of one more (~1,100 tokens at
+    512; never past the engine's context): a 100-token system prompt and a long user message."""
+    chunk = core.scheduler.max_batch_tokens
+    length = min(chunks * chunk + chunk // 5, core.scheduler.max_context - 64)
+    system, users = chat_workload(ctx.tokenizer, count, 100, length - 120, seed=5)
+    return chat_prompts(ctx.tokenizer, system, users)
 
 
 def breakdown(profiled: list[tuple[dict[str, float], float]]) -> dict[str, float]:
@@ -67,7 +76,7 @@ def breakdown(profiled: list[tuple[dict[str, float], float]]) -> dict[str, float
         ms["sampling"] += split.get("sampling", 0.0)
         ms["norms/RoPE/activations"] += ops - split.get("matmul", 0.0) - split.get("attention", 0.0) \
             - split.get("sampling", 0.0)
-        ms["Python"] += max(0.0, wall - ops)
+        ms["Python/other"] += max(0.0, wall - ops)
     return {k: 1e3 * v / len(profiled) for k, v in ms.items()}
 
 
@@ -79,11 +88,7 @@ def run(ctx: Context, core: EngineCore, chain: GemmChain) -> dict[str, Any]:
     chunk = core.scheduler.max_batch_tokens
     system, users = chat_workload(ctx.tokenizer, n, sz["system"], sz["user"], seed=3)
     prompts = chat_prompts(ctx.tokenizer, system, users)
-    long_system, long_users = chat_workload(ctx.tokenizer, sz["prefill_prompts"], sz["prefill_system"],
-                                            sz["prefill_user"], seed=5)
-    long_prompts = chat_prompts(ctx.tokenizer, long_system, long_users)
-    if min(map(len, long_prompts)) < chunk:
-        raise ValueError(f"prefill prompts of {min(map(len, long_prompts))} tokens: shorter than a {chunk}-token chunk")
+    long_prompts = prefill_prompts(ctx, core, sz["prefill_prompts"], sz["prefill_chunks"])
     params = SamplingParams(max_tokens=sz["new_tokens"], ignore_eos=True)
     repeats: list[dict[str, Any]] = []
     for _ in ctx.each_repeat(range(ctx.repeats)):
@@ -114,7 +119,7 @@ def run(ctx: Context, core: EngineCore, chain: GemmChain) -> dict[str, Any]:
                 f"{1e3 * chain_decode:.1f} ms; profiled: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items())
                 + f" ms; prefill {chunk / chunk_s:.0f} tok/s ({len(chunks)} chunks), the chain at {chunk} rows "
                 f"{chunk / chain_chunk:.0f} tok/s")
-    return _result(ctx, sz, chunk, chain, repeats)
+    return _result(ctx, sz, chunk, chain, repeats) | {"prefill_prompt_tokens": [len(p) for p in long_prompts]}
 
 
 def _result(ctx: Context, sz: dict[str, int], chunk: int, chain: GemmChain,
