@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +32,10 @@ class BatchRun:
     note: str = ""
     full_decode_tokens: int = 0  # chatcore: tokens decoded in steps where every request decodes, no prefill
     full_decode_s: float = 0.0  # and those steps' time
+    # chatcore: (decode rows, prefill tokens, seconds) of each timed step; and of each step run under
+    # torch.profiler instead (`engine_runs.run_batch`'s `profile_steps`), its ops' split and wall seconds
+    steps: list[tuple[int, int, float]] = field(default_factory=list)
+    profiled: list[tuple[dict[str, float], float]] = field(default_factory=list)
 
     @property
     def tok_s(self) -> float:

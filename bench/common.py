@@ -317,36 +317,63 @@ def gemm_flops(dtype: torch.dtype, m: int, k: int, n: int, reps: int = 20,
     return 2 * m * k * n / min(samples)
 
 
-def model_gemm_seconds(config: Any, dtype: torch.dtype, rows: int, reps: int = 5,
-                       device: torch.device = torch.device("cpu")) -> float:
-    """Seconds for every matmul of one forward step over `rows` tokens, with distinct weights per
-    layer (as in the model: they stream from memory, they do not sit in cache), LM head included.
-    The best of `reps` steps (a ceiling)."""
-    hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    kv = config.num_key_value_heads * head_dim
-    shapes = [(hidden, heads * head_dim), (hidden, kv), (hidden, kv), (heads * head_dim, hidden),
-              (hidden, inter), (hidden, inter), (inter, hidden)]
-    weights = [[torch.randn(k, n).to(device, dtype) for k, n in shapes] for _ in range(layers)]
-    head = torch.randn(hidden, config.vocab_size).to(device, dtype)
-    inputs = {k: torch.randn(rows, k).to(device, dtype) for k in {k for k, _ in shapes} | {hidden}}
+class GemmChain:
+    """Every linear of a model as one `torch.mm`, and nothing else: the GEMMs a forward over `rows`
+    tokens runs, in the model's dtype, on its device (issue 36's "same-shape GEMM chain").
 
-    def step() -> None:
-        for layer in weights:
-            for w in layer:
-                torch.mm(inputs[w.shape[0]], w)
-        torch.mm(inputs[hidden], head)
+    The shapes come from the model's own `nn.Linear` modules, so any architecture gives its own
+    chain: for a Llama-like decoder, each layer's q, k, v, o, gate, up and down projections; then
+    the LM head (`get_output_embeddings()`) once. Each linear gets a weight of its own (random:
+    the values do not change a GEMM's time), distinct per layer, so the weights stream from memory
+    as the model's do; no bias is added. The weight is stored [in, out] contiguous, the
+    module's `W` [out, in] transposed and copied, so `torch.mm(x, w)` computes `x @ W.T`: the
+    layout torch.mm reads fastest here. SmolLM2's 210 body linears in bfloat16 on the AMX Xeon, 2
+    threads, the best of 6 interleaved passes (2026-12-05, two quiet moments): 64 rows 41.7 and
+    27.3 ms as [in, out] against 45.3 and 30.3 ms as a transposed view of [out, in]; 512 rows 143.9
+    and 73.1 against 150.3 and 76.3 ms. float32 reads [in, out] fastest too
+    (`chatcore/models/weight_layout.py`).
+    """
 
-    step()
-    samples = []
-    for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        samples.append(time.perf_counter() - t0)
-    return min(samples)
+    def __init__(self, model: Any, dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> None:
+        head = model.get_output_embeddings()
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+        self.device = device
+        self.body = [torch.randn(m.in_features, m.out_features, dtype=dtype, device=device) for m in linears]
+        self.head = torch.randn(head.in_features, head.out_features, dtype=dtype, device=device)
+        self.dtype = dtype
+        self._inputs: dict[int, dict[int, torch.Tensor]] = {}
+
+    @property
+    def linears(self) -> int:
+        """How many GEMMs one pass runs (the LM head's included)."""
+        return len(self.body) + 1
+
+    def _x(self, rows: int, width: int) -> torch.Tensor:
+        by_width = self._inputs.setdefault(rows, {})
+        if width not in by_width:
+            by_width[width] = torch.randn(rows, width, dtype=self.dtype, device=self.device)
+        return by_width[width]
+
+    def seconds(self, rows: int, head_rows: int, reps: int = 5) -> list[float]:
+        """Each of `reps` passes' seconds, after one untimed: every body linear at `rows` rows, then
+        the LM head at `head_rows` (the rows whose logits the step samples)."""
+        inputs = [self._x(rows, w.shape[0]) for w in self.body]
+        head_x = self._x(head_rows, self.head.shape[0])
+
+        def chain() -> None:
+            for x, w in zip(inputs, self.body, strict=True):
+                torch.mm(x, w)
+            torch.mm(head_x, self.head)
+
+        chain()
+        samples = []
+        for _ in range(reps):
+            _sync(self.device)
+            t0 = time.perf_counter()
+            chain()
+            _sync(self.device)
+            samples.append(time.perf_counter() - t0)
+        return samples
 
 
 def _leaves(tensor: torch.Tensor) -> list[torch.Tensor]:

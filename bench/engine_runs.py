@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from typing import Any
 
+from torch.profiler import ProfilerActivity, profile
+
+from chatcore.bench import step_ops
 from chatcore.bench.baselines import BatchRun
 from chatcore.engine.core import EngineCore
 from chatcore.engine.request import SamplingParams
@@ -22,13 +26,19 @@ def chat_prompts(tokenizer: Any, system: str | None, users: list[str]) -> list[l
 
 
 def run_batch(core: EngineCore, prompts: list[list[int]], params: SamplingParams,
-              scope_key: str | None = None, share: bool = True) -> BatchRun:
+              scope_key: str | None = None, share: bool = True, profile_steps: int = 0) -> BatchRun:
     """Add every prompt at t=0, step until done. A fresh `scope_key` means a cold prefix cache;
-    `share=False` gives each request a cache scope of its own, so none reuses another's blocks."""
+    `share=False` gives each request a cache scope of its own, so none reuses another's blocks.
+
+    `profile_steps`: after the first step in which every request decodes, that many more such
+    steps run under `torch.profiler` with the attention and sampling labelled (`step_ops`); they
+    are left out of every timing, and `BatchRun.profiled` holds each one's op split and wall time."""
     scope = scope_key or f"bench-{uuid.uuid4().hex}"
     plans: list[StepPlan] = []
     hook = plans.append
     core.on_step.append(hook)
+    profiles: list[tuple[Any, float]] = []
+    steps: list[tuple[int, int, float]] = []
     try:
         requests = [core.make_request(p, params, scope_key=scope if share else f"{scope}/{i}")
                     for i, p in enumerate(prompts)]
@@ -40,28 +50,42 @@ def run_batch(core: EngineCore, prompts: list[list[int]], params: SamplingParams
         decode_tokens, decode_time, full_tokens, full_time = 0, 0.0, 0, 0.0
         while core.has_work:
             before = len(plans)
-            s0 = time.perf_counter()
-            for out in core.step():
+            profiled = (full_tokens > 0 and len(profiles) < profile_steps and step_ops.in_full_decode(core)
+                        and len(core.scheduler.running) == len(requests))
+            with step_ops.labelled(core) if profiled else contextlib.nullcontext(), \
+                    profile(activities=[ProfilerActivity.CPU]) if profiled else contextlib.nullcontext() as prof:
+                s0 = time.perf_counter()
+                outputs = core.step()
+                dt = time.perf_counter() - s0
+            for out in outputs:
                 if out.finished:
                     finals[out.request_id] = out
-            dt = time.perf_counter() - s0
-            if len(plans) > before and not plans[-1].prefill and plans[-1].decode:
-                decode_tokens += len(plans[-1].decode)
-                decode_time += dt
-                if len(plans[-1].decode) == len(requests):
-                    full_tokens += len(requests)
-                    full_time += dt
+            if profiled:
+                profiles.append((prof, dt))
+                continue
+            if len(plans) > before:
+                plan = plans[-1]
+                steps.append((len(plan.decode), sum(e.num_tokens for e in plan.prefill), dt))
+                if not plan.prefill and plan.decode:
+                    decode_tokens += len(plan.decode)
+                    decode_time += dt
+                    if len(plan.decode) == len(requests):
+                        full_tokens += len(requests)
+                        full_time += dt
         wall = time.perf_counter() - t0
     finally:
         core.on_step.remove(hook)
     errors = [o.error for o in finals.values() if o.error]
     if errors or len(finals) != len(prompts):
         raise RuntimeError(f"chatcore run failed: {errors[:2]} ({len(finals)} of {len(prompts)} finished)")
+    if len(profiles) < profile_steps:
+        raise RuntimeError(f"{len(profiles)} of {profile_steps} steps profiled: give the requests more tokens")
     tokens = sum(o.usage.completion_tokens for o in finals.values())
     ttft = [o.timings.ttft_ms / 1e3 for o in finals.values()]
     cached = sum(o.usage.cached_tokens for o in finals.values())
     return BatchRun(wall, tokens, ttft, decode_tok_s=decode_tokens / decode_time if decode_time else None,
-                    cached_tokens=cached, full_decode_tokens=full_tokens, full_decode_s=full_time)
+                    cached_tokens=cached, full_decode_tokens=full_tokens, full_decode_s=full_time, steps=steps,
+                    profiled=[(dict(step_ops.op_split(prof)), dt) for prof, dt in profiles])
 
 
 def fresh_core(ctx: Any, **overrides: Any) -> EngineCore:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from chatcore.bench.step_ops import in_full_decode
 from chatcore.engine.core import EngineCore
 
 
@@ -33,13 +34,6 @@ def _is_device_event(event: Any) -> bool:
 
 def _sync(device: torch.device) -> Callable[[], None]:
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-
-def in_full_decode(core: EngineCore) -> bool:
-    """Every request runs and has its whole prompt computed: the next step only decodes."""
-    running = core.scheduler.running
-    return bool(running) and not core.scheduler.waiting and all(
-        s.num_computed >= len(s.tokens) - 1 for r in running for s in r.live_seqs)
 
 
 def decode_profile(core: EngineCore, device: torch.device, warm_steps: int, steps: int) -> dict[str, Any]:

@@ -6,9 +6,9 @@ step is classed as prefill (a prompt chunk runs) or decode (every sequence decod
 Wall-clock timers around the engine's parts split a step into the model body, the LM head, the
 step's metadata (the runner's time outside the model), scheduling, sampling with detokenizing,
 and the rest. Every seventh step runs under `torch.profiler` instead (not timed) to split the
-forward's own ops into matmuls, attention math, K/V gathers and writes, and other ops. The C
-decode attention (kernels/native.py, the CPU's decode in every dtype) reads K/V in place: it counts as
-attention math.
+forward's own ops into matmuls, attention math, K/V gathers and writes, and other ops
+(`bench/step_ops.py`'s groups). The C decode attention (kernels/native.py, the CPU's decode in every
+dtype) reads K/V in place: it counts as attention math.
 """
 
 from __future__ import annotations
@@ -24,21 +24,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from chatcore.bench.engine_runs import chat_prompts
+from chatcore.bench.step_ops import in_full_decode, op_split
 from chatcore.bench.workload import chat_workload
 from chatcore.config import Settings
 from chatcore.engine import detok
 from chatcore.engine.core import EngineCore
 from chatcore.engine.request import SamplingParams
-from chatcore.kernels import cpu_linear, native
 from chatcore.models.loader import load_model
 
-OP_GROUPS = {
-    "matmul": {"aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", cpu_linear.PROFILER_NAME},
-    "attention math": {"aten::_softmax", "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::masked_fill_",
-                       "aten::exp", "aten::amax", "aten::sub", "aten::div_", "aten::baddbmm", native.PROFILER_NAME},
-    "K/V gather and write": {"aten::index", "aten::index_put_", "aten::_index_put_impl_", "aten::index_select",
-                             "aten::copy_", "aten::cat"},
-}
 PROFILED_EVERY = 7
 
 
@@ -55,22 +48,6 @@ class Timers:
             finally:
                 self.seconds[name] += time.perf_counter() - start
         return timed
-
-
-def _op_split(prof: Any) -> collections.Counter[str]:
-    split: collections.Counter[str] = collections.Counter()
-    named = set().union(*OP_GROUPS.values())
-    for event in prof.key_averages():
-        if event.key.startswith("aten::") or event.key in named:
-            group = next((g for g, names in OP_GROUPS.items() if event.key in names), "other ops")
-            split[group] += event.self_cpu_time_total / 1e6
-    return split
-
-
-def _is_decode(core: EngineCore) -> bool:
-    running = core.scheduler.running
-    return bool(running) and not core.scheduler.waiting and all(
-        s.num_computed >= len(s.tokens) - 1 for r in running for s in r.live_seqs)
 
 
 def profile_run(loaded: Any, sequences: int, new_tokens: int) -> dict[str, Any]:
@@ -93,11 +70,11 @@ def profile_run(loaded: Any, sequences: int, new_tokens: int) -> dict[str, Any]:
                          "profiled": 0} for kind in ("prefill", "decode")}
         step = 0
         while core.has_work:
-            phase = phases["decode" if _is_decode(core) else "prefill"]
+            phase = phases["decode" if in_full_decode(core) else "prefill"]
             if step % PROFILED_EVERY == PROFILED_EVERY // 2:
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
                     core.step()
-                phase["ops"].update(_op_split(prof))
+                phase["ops"].update(op_split(prof))
                 phase["profiled"] += 1
             else:
                 before = timers.seconds.copy()

@@ -84,15 +84,21 @@ def markdown_table(data: dict[str, Any]) -> str:
                          f"of the step's shape with its weights in cache "
                          f"({_num(lim.get('gemm_flops', 0) / 1e9)} GFLOP/s at "
                          f"{'x'.join(str(d) for d in lim.get('gemm_shape', []))}).")
-        eff = suites["throughput"].get("efficiency", {}).get("summary")
+        efficiency = suites["throughput"].get("efficiency", {})
+        eff = efficiency.get("summary")
         if eff:
+            chunk = efficiency.get("chunk_tokens")
+            parts = ", ".join(f"{k} {_num(eff['breakdown_ms'][k])} ms ({_num(v * 100)}%)"
+                              for k, v in eff["breakdown_share"].items())
             lines.append("")
-            lines.append(f"Efficiency ({suites['throughput']['efficiency']['sizes']['requests']} concurrent chats, "
-                         f"sharing on): {_num(eff['model_flops'] / eff['wall_s'] / 1e9)} GFLOP/s of model FLOPs over "
-                         f"the run ({_num(eff['computed_tokens'])} tokens computed, {_num(eff['cached_tokens'])} read "
-                         f"from the prefix cache), {_num(eff['whole_run_fraction'] * 100)}% of the "
-                         f"{_num(eff['ceiling_flops'] / 1e9)} GFLOP/s GEMM ceiling; decoding with all of them running, "
-                         f"{_num(eff['full_decode_tok_s'])} tok/s, {_num(eff['decode_fraction'] * 100)}% of it.")
+            lines.append(f"Efficiency ({efficiency['sizes']['requests']} chats decoding, sharing on): a step takes "
+                         f"{_num(eff['decode_step_ms'])} ms, {_num(eff['decode_ratio'])}x the "
+                         f"{_num(eff['chain_decode_ms'])} ms chain of the model's "
+                         f"{efficiency.get('chain_linears')} linears as torch.mm at the same rows. "
+                         f"Profiled, {_num(eff['profiled_step_ms'])} ms: {parts}; everything but the linears "
+                         f"{_num(eff['non_linear_over_linears'])}x the linears. Prefill in {chunk}-token "
+                         f"chunks: {_num(eff['prefill_tok_s'])} tok/s, {_num(eff['prefill_fraction'] * 100)}% of the "
+                         f"chain's {_num(eff['chain_tok_s'])} tok/s at {chunk} rows (the table above judges all three).")
     lines += _sessions_table(suites.get("sessions", {}))
     for name, s in suites.items():
         if s.get("error"):

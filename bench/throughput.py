@@ -18,12 +18,14 @@ computes the same tokens, so only the engine's own efficiency counts). The resul
 workload's shared fraction: the prompts' common prefix over their mean length.
 
 Decode efficiency: chatcore's full-batch decode rate against one step's matmuls with the model's
-weight shapes, distinct per layer, so the weights stream from memory as in the model (the bound
-that matters for a batch of 16), and, second, against a cached-weights GEMM of the decode step's
-shape (requests x hidden x intermediate, from the loaded model's config).
+weight shapes (`common.GemmChain`: every linear of the loaded model, distinct per layer, so the
+weights stream from memory as in the model; the best of a few passes: the bound that matters for
+a batch of 16), and, second, against a cached-weights GEMM of the decode step's shape (requests x
+hidden x intermediate, from the loaded model's config).
 
-Then 64 concurrent chats measure the engine's model FLOP rate against the GEMM ceiling
-(`bench/efficiency.py`); their two targets are this suite's too.
+Then 64 chats decoding and prefill in 512-token chunks are measured against the same chain at
+their row counts (`bench/efficiency.py`, issue 36's targets 2 and 3); their targets are this
+suite's too.
 """
 
 from __future__ import annotations
@@ -31,14 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from chatcore.bench import baselines, efficiency
-from chatcore.bench.common import (
-    Context,
-    gemm_flops,
-    median,
-    model_gemm_seconds,
-    num_params,
-    target,
-)
+from chatcore.bench.common import Context, GemmChain, gemm_flops, median, num_params, target
 from chatcore.bench.engine_runs import chat_prompts, fresh_core, run_batch
 from chatcore.bench.workload import chat_workload
 from chatcore.engine.request import SamplingParams
@@ -99,6 +94,7 @@ def run(ctx: Context) -> dict[str, Any]:
                                                  "hf_static": [], "hf_generate_batch": []}
     config = ctx.hf_model.config
     gemm_shape = [sz["requests"], config.hidden_size, config.intermediate_size]
+    chain = GemmChain(ctx.loaded.model, ctx.dtype, ctx.loaded.device)  # every linear's shape, as one torch.mm each
     gemms: list[float] = []
     steps: list[float] = []
     for rep in ctx.each_repeat(range(reps)):
@@ -109,8 +105,7 @@ def run(ctx: Context) -> dict[str, Any]:
         # The ceilings, right after chatcore's run: this VM's GEMM rate drifts by +-25% over minutes.
         gemms.append(gemm_flops(ctx.dtype, *gemm_shape, reps=5 if ctx.quick or ctx.tiny else 30,
                                 device=ctx.loaded.device))
-        steps.append(model_gemm_seconds(ctx.hf_model.config, ctx.dtype, sz["requests"],
-                                        reps=2 if ctx.quick or ctx.tiny else 5, device=ctx.loaded.device))
+        steps.append(min(chain.seconds(sz["requests"], sz["requests"], reps=2 if ctx.quick or ctx.tiny else 5)))
         runs["hf_sequential"].append(baselines.hf_sequential(model, seq_prompts, new))
         runs["hf_static"].append(baselines.hf_static(model, prompts, new, pad,
                                                      config=baselines.static_cache_config(model, new, pad)))
@@ -196,7 +191,7 @@ def run(ctx: Context) -> dict[str, Any]:
                f"{n} chats: {systems['hf_generate_batch'].get('tok_s', float('nan')):.1f} tok/s",
                ratio_runs["vs_hf_generate_batch"], baseline_runs=tok_s("hf_generate_batch")),
     ]
-    result["efficiency"] = efficiency.run(ctx, core)
+    result["efficiency"] = efficiency.run(ctx, core, chain)
     result["targets"] += result["efficiency"].pop("targets")
     return result
 

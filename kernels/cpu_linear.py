@@ -24,7 +24,7 @@ import torch
 
 from chatcore.kernels import native
 
-PROFILER_NAME = "kernels::linear_bf16_c"  # how a call shows in torch.profiler (bench/profile_step.py)
+PROFILER_NAME = "kernels::linear_bf16_c"  # how a call shows in torch.profiler (bench/step_ops.py)
 MAX_ROWS = 4
 COLUMNS = 32  # the columns one `vdpbf16ps` takes: a weight's input size must be a multiple
 _ARGTYPES = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,

@@ -41,7 +41,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).with_name("cpu_decode.c"), Path(__file__).with_name("cpu_linear.c"))
-PROFILER_NAME = "kernels::paged_decode_c"  # how a call shows in torch.profiler (bench/profile_step.py)
+PROFILER_NAME = "kernels::paged_decode_c"  # how a call shows in torch.profiler (bench/step_ops.py)
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
 LIBS = ("-lmvec", "-lm")
 _ARGTYPES = (

@@ -87,22 +87,38 @@ def test_bench_all_quick_tiny(bench_all_quick_tiny: BenchRun) -> None:
             assert {"name", "value", "op", "threshold", "met", "verdict"} <= set(t)
         for plot in suite["plots"]:
             assert (tmp_path / plot).stat().st_size > 1000
-    assert len(data["targets"]) == 25
+    assert len(data["targets"]) == 26
     assert [t["name"] for t in data["targets"] if t["met"] is None] == [  # reported, no verdict
         suites[s]["targets"][i]["name"] for s, i in (("hitrate", 0), ("memory", 0), ("resume", 1),
                                                       *(("sessions", i) for i in range(1, 6)))]
     table = (tmp_path / "table.md").read_text()
-    assert table.count("\n| ") >= 25 and table.count("| reported |") == 8
+    assert table.count("\n| ") >= 26 and table.count("| reported |") == 8
     assert suites["throughput"]["systems"]["llama_cpp"]["skipped"]
     throughput = suites["throughput"]
     assert throughput["systems"]["chatcore_no_sharing"]["cached_tokens"] == 0 < throughput["systems"]["chatcore"]["cached_tokens"]
     assert 0 < throughput["shared_fraction"] < 1 and "Decode efficiency" in table and "no sharing" in table
     assert "prompt tokens from its prefix cache |" in table and throughput["systems"]["hf_generate_batch"]["cached_tokens"] >= 0
     assert suites["resume"]["rows"][0]["disk_cached_disk_tokens"] > 0
-    efficiency = throughput["efficiency"]["summary"]
-    assert efficiency["computed_tokens"] > 0 and efficiency["cached_tokens"] > 0  # 4 chats share a system prompt
-    assert 0 < efficiency["whole_run_fraction"] and efficiency["full_decode_tokens"] > 0
-    assert 0 < efficiency["decode_fraction"] and "Efficiency (4 concurrent chats" in table
+    efficiency = throughput["efficiency"]
+    summary = efficiency["summary"]
+    assert summary["cached_tokens"] > 0  # the decode run's 4 chats share a system prompt
+    assert summary["decode_steps"] > 0 and summary["decode_step_ms"] > 0 and summary["chain_decode_ms"] > 0
+    assert summary["decode_ratio"] == pytest.approx(summary["decode_step_ms"] / summary["chain_decode_ms"])
+    assert summary["prefill_chunks"] > 0 and efficiency["chunk_tokens"] == 512  # the CPU's max_batch_tokens
+    assert min(efficiency["prefill_prompt_tokens"]) >= 512
+    assert summary["prefill_fraction"] == pytest.approx(summary["prefill_tok_s"] / summary["chain_tok_s"])
+    assert summary["prefill_fraction"] > 0 and efficiency["chain_linears"] == 30 * 7 + 1  # SmolLM2: 30 layers, the head
+    breakdown, shares = summary["breakdown_ms"], summary["breakdown_share"]
+    assert list(shares) == ["linears", "attention", "norms/RoPE/activations", "sampling", "Python/other"]
+    assert sum(shares.values()) == pytest.approx(1.0) and all(v >= 0 for v in shares.values())
+    assert breakdown["linears"] > 0 and breakdown["attention"] > 0 and breakdown["sampling"] > 0
+    assert sum(breakdown.values()) == pytest.approx(summary["profiled_step_ms"])
+    assert summary["non_linear_over_linears"] == pytest.approx(
+        (summary["profiled_step_ms"] - breakdown["linears"]) / breakdown["linears"])
+    names = [t["name"] for t in throughput["targets"][-3:]]
+    assert names[0].startswith("4 chats decoding: a step <= 1.25x") and "<= 0.25x the linears" in names[1]
+    assert names[2].startswith("prefill in 512-token chunks >= 70%")
+    assert "Efficiency (4 chats decoding" in table and "Prefill in 512-token chunks" in table
 
 
 @pytest.mark.model

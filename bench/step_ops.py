@@ -1,0 +1,90 @@
+"""An engine step's ops under `torch.profiler`, classed into groups: shared by `profile_step`
+(its forward-op shares) and `efficiency` (the decode step's breakdown, issue 36's target 2).
+
+`OP_GROUPS` names the ops of each group (an aten op of none is an "other op": norms, RoPE, SiLU,
+the residual adds...). `labelled(core)` puts two parts of a step into `torch.profiler` ranges:
+chatcore's paged attention function, all of it (the K/V writes, the decode kernel, the prefill
+attention, the reshapes around them: `RANGES[0]`), and the engine's sampling (`EngineCore._sample`:
+`RANGES[1]`). `op_split` counts an op inside one of those ranges under the range's name, any other
+under its group. Times are each op's self time, so nested ops count once; what a step spends
+outside every op (Python, the dispatcher, the profiler itself) is its wall time minus their sum.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from torch.profiler import record_function
+from transformers import AttentionInterface
+
+from chatcore.engine.core import EngineCore
+from chatcore.kernels import cpu_linear, native
+from chatcore.models import paged_attention
+
+OP_GROUPS = {
+    "matmul": {"aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", cpu_linear.PROFILER_NAME},
+    "attention math": {"aten::_softmax", "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::masked_fill_",
+                       "aten::exp", "aten::amax", "aten::sub", "aten::div_", "aten::baddbmm", native.PROFILER_NAME},
+    "K/V gather and write": {"aten::index", "aten::index_put_", "aten::_index_put_impl_", "aten::index_select",
+                             "aten::copy_", "aten::cat"},
+}
+OTHER = "other ops"
+RANGES = ("attention", "sampling")  # what `labelled` wraps, in ranges of these names
+
+
+def in_full_decode(core: EngineCore) -> bool:
+    """Every request runs and has its whole prompt computed: the next step only decodes."""
+    running = core.scheduler.running
+    return bool(running) and not core.scheduler.waiting and all(
+        s.num_computed >= len(s.tokens) - 1 for r in running for s in r.live_seqs)
+
+
+@contextlib.contextmanager
+def labelled(core: EngineCore) -> Iterator[None]:
+    """Within it, the model's paged attention and `core`'s sampling run inside `RANGES`' ranges."""
+    attention, sampling = RANGES
+    sample, wrapped = core._sample, "_sample" in vars(core)  # a wrapper already on the instance stays
+
+    def labelled_attention(*args: Any, **kwargs: Any) -> Any:
+        with record_function(attention):
+            return paged_attention.paged_attention_forward(*args, **kwargs)
+
+    def labelled_sample(*args: Any, **kwargs: Any) -> Any:
+        with record_function(sampling):
+            return sample(*args, **kwargs)
+
+    AttentionInterface.register(paged_attention.ATTENTION_NAME, labelled_attention)
+    core._sample = labelled_sample  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if wrapped:
+            core._sample = sample  # type: ignore[method-assign]
+        else:
+            del core._sample  # the method shows through again
+        paged_attention.register()
+
+
+def _range_of(event: Any) -> str | None:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name in RANGES:
+            return parent.name
+        parent = parent.cpu_parent
+    return None
+
+
+def op_split(prof: Any) -> collections.Counter[str]:
+    """Self CPU seconds of a profile's ops (aten ops and those `OP_GROUPS` names), by group: an op
+    inside a `labelled` range counts under the range's name, any other under its `OP_GROUPS`
+    group, or `OTHER`."""
+    named = set().union(*OP_GROUPS.values())
+    group_of = {name: group for group, names in OP_GROUPS.items() for name in names}
+    split: collections.Counter[str] = collections.Counter()
+    for event in prof.events():
+        if event.name.startswith("aten::") or event.name in named:
+            split[_range_of(event) or group_of.get(event.name, OTHER)] += event.self_cpu_time_total / 1e6
+    return split
