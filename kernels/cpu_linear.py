@@ -3,10 +3,10 @@
 A decode step of one to `MAX_ROWS` sequences multiplies every weight of the model by that many
 rows. oneDNN's packed bfloat16 GEMM, which serves every other row count, reads the weights of
 such a product at well under the memory's bandwidth; this kernel streams them. Measured on the
-2-core AMX Xeon (2 threads, bfloat16), all 211 linears of SmolLM2-135M (269 MB) at one row:
-oneDNN packed 26-28 ms, this kernel 14-16 ms, where a 512 MiB copy moves 25-28 GB/s (about
-10 ms for these bytes); at 4 rows 24-26 ms against 28. At 8 rows oneDNN is faster (AMX), hence
-`MAX_ROWS`.
+2-core AMX Xeon (2 threads, bfloat16), the 211 linears of SmolLM2-135M (269 MB; a 512 MiB copy
+moves 25-28 GB/s, about 10 ms for these bytes), called through their modules: at one row 22.0 ms
+against oneDNN's 30.0, at 4 rows 26.8 against 30.3 (the bare C calls: 15-18 ms at one row; the
+rest is each call's Python). From about 8 rows oneDNN (AMX) is as fast, hence `MAX_ROWS`.
 
 The kernel needs AVX512-BF16 (`available()` says whether the build has it) and its own copy of
 each weight, laid out by `lay_out`: groups of output rows interleaved 32 columns at a time, so

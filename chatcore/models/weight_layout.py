@@ -27,9 +27,8 @@ had; greedy float32 output, which does not use either, stays exact.
 
 from __future__ import annotations
 
-from typing import Any
-
 import os
+from typing import Any
 
 import torch
 import torch.nn.functional as F
