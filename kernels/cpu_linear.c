@@ -20,27 +20,16 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
+#include "bfloat16.h"
+
 int chatcore_linear_rows_per_group(void) { return ROWS; }
 
-static inline uint16_t to_bfloat16(float value) {
-    uint32_t bits;
-    __builtin_memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);  /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-static inline float from_bfloat16(uint16_t value) {
-    uint32_t bits = (uint32_t)value << 16;
-    float out;
-    __builtin_memcpy(&out, &bits, sizeof out);
-    return out;
-}
-
-/* x: [m][k], y: [m][n], w: n_padded / ROWS groups of [k / 32][ROWS][32]; bias: [n] or NULL.
-   k is a multiple of 32; the caller checks every shape (kernels/cpu_linear.py). */
-void chatcore_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                          int64_t m, int64_t n, int64_t k, int threads) {
+/* x: [m][k], y: [m][n], w: n_padded / ROWS groups of [k / 32][ROWS][32]; bias: [n] or NULL;
+   residual: [m][n] or NULL, added to the rounded product and rounded again, as a decoder layer's
+   `residual + linear(x)` rounds twice in bfloat16. k is a multiple of 32; the caller checks every
+   shape (kernels/cpu_linear.py). */
+void chatcore_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, const uint16_t *residual,
+                          uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
     const int64_t groups = (n + ROWS - 1) / ROWS;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t g = 0; g < groups; g++) {
@@ -68,8 +57,10 @@ void chatcore_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *
             for (int p = 0; p < pair; p++)
                 for (int r = 0; r < live; r++) {
                     float total = _mm512_reduce_add_ps(sums[p][r]);
+                    const int64_t at = (row + p) * n + first + r;
                     if (bias) total += from_bfloat16(bias[first + r]);
-                    y[(row + p) * n + first + r] = to_bfloat16(total);
+                    if (residual) total = rounded(total) + from_bfloat16(residual[at]);
+                    y[at] = to_bfloat16(total);
                 }
         }
     }

@@ -27,8 +27,8 @@ from chatcore.kernels import native
 PROFILER_NAME = "kernels::linear_bf16_c"  # how a call shows in torch.profiler (bench/step_ops.py)
 MAX_ROWS = 4
 COLUMNS = 32  # the columns one `vdpbf16ps` takes: a weight's input size must be a multiple
-_ARGTYPES = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-             ctypes.c_int64, ctypes.c_int)
+_ARGTYPES = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+             ctypes.c_int64, ctypes.c_int64, ctypes.c_int)
 
 
 @functools.cache
@@ -65,8 +65,10 @@ def lay_out(weight: torch.Tensor) -> torch.Tensor | None:
     return padded.view(groups, rows, in_features // COLUMNS, COLUMNS).transpose(1, 2).contiguous()
 
 
-def linear(x: torch.Tensor, laid_out: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for bfloat16 `x` of at most `MAX_ROWS` rows, `laid_out` from `lay_out(weight)`."""
+def linear(x: torch.Tensor, laid_out: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for bfloat16 `x` of at most `MAX_ROWS` rows, `laid_out` from `lay_out(weight)`;
+    with `residual` (bfloat16, the output's shape), `residual + F.linear(...)`, each rounded as torch rounds."""
     kernel = _kernel()
     in_features = laid_out.shape[1] * COLUMNS
     if kernel is None or x.shape[-1] != in_features or x.dtype != torch.bfloat16:
@@ -77,7 +79,13 @@ def linear(x: torch.Tensor, laid_out: torch.Tensor, out_features: int, bias: tor
     x = x.contiguous()
     bias = None if bias is None else bias.detach().to(torch.bfloat16).contiguous()
     out = torch.empty(*x.shape[:-1], out_features, dtype=torch.bfloat16)
+    if residual is not None:
+        if residual.shape != out.shape or residual.dtype != torch.bfloat16 or residual.device.type != "cpu":
+            raise ValueError(f"the residual must be bfloat16 {tuple(out.shape)}, not {residual.dtype} "
+                             f"{tuple(residual.shape)}")
+        residual = residual.contiguous()
     with native.traced(PROFILER_NAME):
-        kernel[0](x.data_ptr(), laid_out.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-                  rows, out_features, in_features, torch.get_num_threads())
+        kernel[0](x.data_ptr(), laid_out.data_ptr(), None if bias is None else bias.data_ptr(),
+                  None if residual is None else residual.data_ptr(), out.data_ptr(), rows, out_features, in_features,
+                  torch.get_num_threads())
     return out

@@ -1,6 +1,7 @@
 """The CPU's C kernels, built on first use into one library and called through ctypes: the decode
-attention (`kernels/cpu_decode.c`, wrapped here) and the few-row bfloat16 linear
-(`kernels/cpu_linear.c`, wrapped by kernels/cpu_linear.py).
+attention (`kernels/cpu_decode.c`, wrapped here), the few-row bfloat16 linear
+(`kernels/cpu_linear.c`, wrapped by kernels/cpu_linear.py) and a decoder layer's bfloat16 pointwise
+steps (`kernels/cpu_pointwise.c`, wrapped by kernels/cpu_pointwise.py).
 
 The decode attention takes float32, bfloat16 and float16 queries and caches (float16 where the
 compiler has `_Float16`), in any mix, and computes in float32.
@@ -40,7 +41,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("cpu_decode.c"), Path(__file__).with_name("cpu_linear.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_linear.c", "cpu_pointwise.c"))
+HEADERS = (Path(__file__).with_name("bfloat16.h"),)  # included by the sources: part of the library's key
 PROFILER_NAME = "kernels::paged_decode_c"  # how a call shows in torch.profiler (bench/step_ops.py)
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
 LIBS = ("-lmvec", "-lm")
@@ -70,7 +72,7 @@ def _cpu_flags() -> str:
 def library_name(compiler: str) -> str:
     """The cached library's file name: a hash of the source, flags, compiler version and CPU."""
     version = subprocess.run([compiler, "--version"], check=False, capture_output=True, text=True, timeout=60).stdout
-    sources = [source.read_text() for source in SOURCES]
+    sources = [source.read_text() for source in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\0".join([*sources, *FLAGS, *LIBS, version, _cpu_flags()]).encode()).hexdigest()
     return f"cpu_kernels-{key[:16]}.so"
 

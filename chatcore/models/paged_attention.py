@@ -80,13 +80,18 @@ def paged_attention_forward(
         return chatcore_probe.record(module, query, key, value, {"scaling": scaling, "dropout": dropout, **arguments})
     if chatcore_step is None:
         raise RuntimeError("chatcore_paged attention needs the step metadata (chatcore_step=...)")
-    meta = chatcore_step
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    key_cache, value_cache = meta.kv.layer(module.layer_idx)
-    q = query[0].transpose(0, 1)  # [T, heads, D]
-    k = key[0].transpose(0, 1).to(key_cache.dtype)
-    v = value[0].transpose(0, 1).to(value_cache.dtype)
-    kernels.store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+    out = attend(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                 scale, chatcore_step)
+    return out.unsqueeze(0), None
+
+
+def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           meta: StepMeta) -> torch.Tensor:
+    """Layer `layer`'s attention of the step's packed rows: `q` [T, heads, D], the rotated `k` and `v`
+    [T, kv_heads, D] (views of any strides); writes k and v into their slots, returns [T, heads, D]."""
+    key_cache, value_cache = meta.kv.layer(layer)
+    kernels.store_kv(k.to(key_cache.dtype), v.to(value_cache.dtype), key_cache, value_cache, meta.slot_mapping)
     nd = meta.num_decode
     parts: list[torch.Tensor] = []
     if nd:
@@ -95,8 +100,7 @@ def paged_attention_forward(
             meta.decode_context_lens, scale))
     if meta.prefill is not None:
         parts.append(prefill.prefill_attention(q[nd:], key_cache, value_cache, meta.prefill, scale))
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-    return out.unsqueeze(0), None
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
 def register() -> str:
