@@ -3,9 +3,9 @@
 The engine calls these three functions and nothing else. Each runs the Triton kernel on CUDA
 tensors, and in Triton's interpreter on CPU tensors while `TRITON_INTERPRET=1` is set (checked
 at every call, whenever triton was imported: see kernels/_triton.py). Otherwise decode
-attention runs the C kernel (`chatcore.kernels.native`, built on first use) where it takes the
-arguments, and everything else the torch reference in `chatcore.kernels.reference`: together,
-the engine's CPU path. Layouts: query [S, H, D]; key_cache and value_cache
+attention runs the C kernel (`chatcore.kernels.native`, built on first use) and the KV store its
+C copy (`chatcore.kernels.cpu_store`) where they take the arguments, and everything else the torch
+reference in `chatcore.kernels.reference`: together, the engine's CPU path. Layouts: query [S, H, D]; key_cache and value_cache
 [num_blocks, block_size, KVH, D]; block_tables int32 [S, max_blocks]; context_lens int32 [S].
 
 Importing this module imports neither torch nor triton; they load on first call. The folder
@@ -86,7 +86,10 @@ def store_kv(
     if _use_triton(key_cache):
         from chatcore.kernels import cache_ops as impl
     else:
+        from chatcore.kernels import cpu_store
         from chatcore.kernels import reference as impl
+        if cpu_store.accepts(key, value, key_cache, value_cache, slot_mapping):
+            impl = cpu_store
     impl.store_kv(key, value, key_cache, value_cache, slot_mapping)
 
 
