@@ -1,5 +1,6 @@
-/* The pointwise parts of a decoder layer's few-row bfloat16 step: RMSNorm, RoPE, and SiLU times
-   the up projection (chatcore/models/decode_layer.py calls them through kernels/cpu_pointwise.py).
+/* The pointwise parts of a decoder layer's bfloat16 step: RMSNorm, RoPE, and SiLU times the up
+   projection (chatcore/models/fused_layer.py calls them through kernels/cpu_pointwise.py). Rows
+   are shared among `threads` when a step has values enough (`PARALLEL_VALUES`) to pay for it.
 
    Each computes what transformers' Llama modules compute in bfloat16, rounding where torch
    rounds: torch runs every bfloat16 operation in float32 and rounds its result to bfloat16, so
@@ -14,9 +15,13 @@
 /* glibc's vector expf (libmvec), declared as in cpu_decode.c: the SiLU loop vectorizes. */
 __attribute__((__simd__("notinbranch"))) float expf(float);
 
+#define PARALLEL_VALUES 65536  /* below this many values a step runs on the calling thread */
+#define TEAM(values) num_threads((values) >= PARALLEL_VALUES ? threads : 1)
+
 /* y = weight * bf16(x * rsqrt(mean(x^2) + eps)), per row of `dim`; x, y: [rows][dim]. */
 void chatcore_rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *y, int64_t rows, int64_t dim,
-                            float eps) {
+                            float eps, int threads) {
+#pragma omp parallel for schedule(static) TEAM(rows * dim)
     for (int64_t row = 0; row < rows; row++) {
         const uint16_t *in = x + row * dim;
         uint16_t *out = y + row * dim;
@@ -37,10 +42,11 @@ void chatcore_rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t 
    v * cos + rotate_half(v) * sin, with cos and sin [rows][head_dim] and rotate_half(v) =
    (-v[half:], v[:half]). head_dim is even and at most 1024. */
 void chatcore_rope_bf16(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t rows, int64_t stride,
-                        int64_t heads, int64_t head_dim) {
+                        int64_t heads, int64_t head_dim, int threads) {
     const int64_t half = head_dim / 2;
-    float low[512], high[512];
+#pragma omp parallel for schedule(static) TEAM(rows * heads * head_dim)
     for (int64_t row = 0; row < rows; row++) {
+        float low[512], high[512];
         const uint16_t *c = cos + row * head_dim;
         const uint16_t *s = sin + row * head_dim;
         for (int64_t head = 0; head < heads; head++) {
@@ -60,7 +66,8 @@ void chatcore_rope_bf16(uint16_t *x, const uint16_t *cos, const uint16_t *sin, i
 }
 
 /* y = bf16(silu(gate)) * up, where each row of gate_up is [gate (inter) | up (inter)]; y: [rows][inter]. */
-void chatcore_silu_mul_bf16(const uint16_t *gate_up, uint16_t *y, int64_t rows, int64_t inter) {
+void chatcore_silu_mul_bf16(const uint16_t *gate_up, uint16_t *y, int64_t rows, int64_t inter, int threads) {
+#pragma omp parallel for schedule(static) TEAM(rows * inter)
     for (int64_t row = 0; row < rows; row++) {
         const uint16_t *gate = gate_up + row * 2 * inter;
         const uint16_t *up = gate + inter;

@@ -1,10 +1,11 @@
-"""A decoder layer's bfloat16 pointwise steps in C (`kernels/cpu_pointwise.c`), for a few rows.
+"""A decoder layer's bfloat16 pointwise steps in C (`kernels/cpu_pointwise.c`).
 
-At one to four rows each of these is a few microseconds of arithmetic behind a dozen torch ops
-(RMSNorm alone is seven), each op a dispatch of several microseconds: one C call replaces them.
+At a decode step's few rows each of these is a few microseconds of arithmetic behind a handful of
+torch ops (RMSNorm alone is seven), each a dispatch of several microseconds, and at many rows
+torch runs each op as a pass over memory: one C call, one pass, replaces them.
 The results are transformers' Llama modules' in bfloat16, rounded where torch rounds; the order
 of RMSNorm's sum and the last bit of `expf` may differ from torch's, so an output may differ in
-its last bit (chatcore/models/decode_layer.py checks them against the modules at load).
+its last bit (chatcore/models/fused_layer.py checks them against the modules at load).
 The tensors are checked for what the C code reads (dtype, device, contiguity, shapes): it trusts
 its arguments.
 """
@@ -22,9 +23,9 @@ MAX_HEAD_DIM = 1024  # kernels/cpu_pointwise.c's RoPE buffers
 _INT = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _SIGNATURES = {
-    "chatcore_rms_norm_bf16": (_PTR, _PTR, _PTR, _INT, _INT, ctypes.c_float),
-    "chatcore_rope_bf16": (_PTR, _PTR, _PTR, _INT, _INT, _INT, _INT),
-    "chatcore_silu_mul_bf16": (_PTR, _PTR, _INT, _INT),
+    "chatcore_rms_norm_bf16": (_PTR, _PTR, _PTR, _INT, _INT, ctypes.c_float, ctypes.c_int),
+    "chatcore_rope_bf16": (_PTR, _PTR, _PTR, _INT, _INT, _INT, _INT, ctypes.c_int),
+    "chatcore_silu_mul_bf16": (_PTR, _PTR, _INT, _INT, ctypes.c_int),
 }
 
 
@@ -69,7 +70,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError(f"weight {tuple(weight.shape)} does not match rows of {dim}")
     out = torch.empty_like(x)
     _call("chatcore_rms_norm_bf16", x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // max(dim, 1),
-          dim, eps)
+          dim, eps, torch.get_num_threads())
     return out
 
 
@@ -84,7 +85,8 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, hea
             or cos.shape != (rows, head_dim) or sin.shape != (rows, head_dim):
         raise ValueError(f"RoPE of {heads} heads of {head_dim} over rows {tuple(x.shape)} with cos "
                          f"{tuple(cos.shape)} and sin {tuple(sin.shape)}")
-    _call("chatcore_rope_bf16", x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, width, heads, head_dim)
+    _call("chatcore_rope_bf16", x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, width, heads, head_dim,
+          torch.get_num_threads())
     return x
 
 
@@ -95,5 +97,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if width % 2:
         raise ValueError(f"gate_up rows hold gate and up side by side: an even width, not {width}")
     out = torch.empty(rows, width // 2, dtype=torch.bfloat16)
-    _call("chatcore_silu_mul_bf16", gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+    _call("chatcore_silu_mul_bf16", gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
     return out

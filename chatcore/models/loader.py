@@ -24,7 +24,7 @@ import torch
 from chatcore import openmp
 from chatcore.config import DEFAULT_MODEL, Settings
 from chatcore.models import paged_attention, support
-from chatcore.models.decode_layer import use_few_row_layers
+from chatcore.models.fused_layer import fuse_layers
 from chatcore.models.device import resolve_device, resolve_dtype
 from chatcore.models.errors import ModelNotFound, UnsupportedModel
 from chatcore.models.hub import is_hub_id, resolve_hub_id
@@ -128,8 +128,8 @@ def load_model(settings: Settings) -> LoadedModel:
         log.info("weights=int8: %d linears quantized in %.1f s", count, time.perf_counter() - started)
     store_linears_transposed(model)
     profile = _profile(model, settings.model)
+    fuse_layers(model)
     pack_bfloat16_linears(model)
-    use_few_row_layers(model)
     openmp.release_team()  # the engine may compute on another thread (chatcore/openmp.py)
     return LoadedModel(
         model=model,

@@ -1,7 +1,8 @@
-"""The few-row decoder layer in C (chatcore/models/decode_layer.py) and its pointwise kernels
+"""The fused decoder layer (chatcore/models/fused_layer.py) and its pointwise kernels
 (kernels/cpu_pointwise.py): each step computes what transformers' modules compute in bfloat16;
-the engine decodes the same tokens through it as through the modules, takes it only for steps of
-at most four rows, and never for a model whose modules it does not match."""
+the engine decodes the same tokens through it as through the modules, at few rows and at many;
+the original projections still compute what they did; a model whose modules it does not match,
+float32 and int8 keep their modules."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from chatcore.engine.core import EngineCore
 from chatcore.engine.request import SamplingParams
 from chatcore.kernels import cpu_linear, cpu_pointwise
 from chatcore.kv.tensors import KVTensors
-from chatcore.models import decode_layer, loader
-from chatcore.models.decode_layer import FewRowLayer
+from chatcore.models import fused_layer, loader
+from chatcore.models.fused_layer import FusedLayer, Projection
 from chatcore.models.paged_attention import StepMeta
 from tests.tiny_models import save_tiny_model
 
@@ -113,7 +114,7 @@ def _decode(loaded: loader.LoadedModel, chats: int, tokens: int) -> list[list[in
 def _load(folder: Path, monkeypatch: pytest.MonkeyPatch, few_rows: bool) -> loader.LoadedModel:
     with monkeypatch.context() as patch:
         if not few_rows:
-            patch.setattr(loader, "use_few_row_layers", lambda model: 0)
+            patch.setattr(loader, "fuse_layers", lambda model: 0)
         return loader.load_model(Settings(model=str(folder), dtype="bfloat16", device="cpu"))
 
 
@@ -123,21 +124,20 @@ def test_tiny_models_decode_the_same_tokens_as_through_their_modules(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_type: str, overrides: dict[str, object]) -> None:
     folder = save_tiny_model(tmp_path / model_type, model_type, **overrides)
     fast, plain = _load(folder, monkeypatch, True), _load(folder, monkeypatch, False)
-    assert all(isinstance(layer, FewRowLayer) for layer in fast.model.model.layers)
-    assert not any(isinstance(layer, FewRowLayer) for layer in plain.model.model.layers)
-    calls = {"few_rows": 0}
-    original = FewRowLayer._few_rows
+    assert all(isinstance(layer, FusedLayer) for layer in fast.model.model.layers)
+    assert not any(isinstance(layer, FusedLayer) for layer in plain.model.model.layers)
+    calls = {"fused": 0}
+    original = FusedLayer._fused
 
-    def counted(self: FewRowLayer, *args: object) -> torch.Tensor:
-        calls["few_rows"] += 1
+    def counted(self: FusedLayer, *args: object) -> torch.Tensor:
+        calls["fused"] += 1
         return original(self, *args)
 
-    monkeypatch.setattr(FewRowLayer, "_few_rows", counted)
-    for chats in (1, 3, 6):  # six chats decode in steps of six rows: the modules' path
-        calls["few_rows"] = 0
+    monkeypatch.setattr(FusedLayer, "_fused", counted)
+    for chats in (1, 3, 6):  # six chats decode in steps of six rows: past the few-row linear
+        calls["fused"] = 0
         assert _decode(fast, chats, 12) == _decode(plain, chats, 12), chats
-        layers = len(fast.model.model.layers)
-        assert (calls["few_rows"] >= 11 * layers) if chats <= cpu_linear.MAX_ROWS else calls["few_rows"] == 0
+        assert calls["fused"] >= 12 * len(fast.model.model.layers)
 
 
 @pytest.fixture(scope="module")
@@ -148,18 +148,18 @@ def default_models(default_model_dir: Path) -> tuple[loader.LoadedModel, loader.
 
 def test_the_default_model_decodes_one_chat_as_through_its_modules(default_models) -> None:
     fast, plain = default_models
-    assert sum(isinstance(layer, FewRowLayer) for layer in fast.model.model.layers) == 30
+    assert sum(isinstance(layer, FusedLayer) for layer in fast.model.model.layers) == 30
     assert _decode(fast, 1, 24) == _decode(plain, 1, 24)
 
 
-@pytest.mark.parametrize("rows", [2, 4])
+@pytest.mark.parametrize("rows", [2, 4, 64])
 def test_every_default_layer_computes_what_its_modules_compute(default_models, rows: int) -> None:
     """A decode step of `rows` chats with histories in the cache, layer by layer from the same input:
     the outputs and the keys and values written agree but for rare last bits (RMSNorm's sum order),
     which is why two chats' greedy tokens may part where the modules' top two logits nearly tie."""
     fast, plain = default_models
     block_size, blocks_per_seq = 16, 4
-    lengths = torch.tensor([5 + 17 * row for row in range(rows)], dtype=torch.int32)
+    lengths = torch.tensor([1 + (5 + 17 * row) % 63 for row in range(rows)], dtype=torch.int32)
     tables = torch.arange(rows * blocks_per_seq, dtype=torch.int32).view(rows, blocks_per_seq)
     slots = torch.tensor([int(tables[row, (n - 1) // block_size]) * block_size + (n - 1) % block_size
                           for row, n in enumerate(lengths.tolist())])
@@ -180,11 +180,25 @@ def test_every_default_layer_computes_what_its_modules_compute(default_models, r
             _mostly_equal(kv["fast"].data[index], kv["plain"].data[index])
 
 
+def test_the_original_projections_still_compute_theirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = save_tiny_model(tmp_path / "qwen2", "qwen2")  # q, k and v with biases
+    fast, plain = _load(folder, monkeypatch, True), _load(folder, monkeypatch, False)
+    for ours, theirs in zip(fast.model.model.layers, plain.model.model.layers):
+        assert isinstance(ours.self_attn.q_proj, Projection) and isinstance(ours.mlp.up_proj, Projection)
+        for rows in (1, 9):
+            x = _random(rows, 64, seed=rows)
+            with torch.inference_mode():
+                for name in ("q_proj", "k_proj", "v_proj"):
+                    assert torch.equal(getattr(ours.self_attn, name)(x), getattr(theirs.self_attn, name)(x))
+                for name in ("gate_proj", "up_proj"):
+                    assert torch.equal(getattr(ours.mlp, name)(x), getattr(theirs.mlp, name)(x))
+
+
 def test_float32_and_modules_it_does_not_match_keep_their_forward(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder = save_tiny_model(tmp_path / "llama", "llama")
     fp32 = loader.load_model(Settings(model=str(folder), dtype="float32", device="cpu"))
-    assert not any(isinstance(layer, FewRowLayer) for layer in fp32.model.model.layers)
+    assert not any(isinstance(layer, FusedLayer) for layer in fp32.model.model.layers)
 
     def offset_norm(self: modeling_llama.LlamaRMSNorm, x: torch.Tensor) -> torch.Tensor:
         variance = x.float().pow(2).mean(-1, keepdim=True)
@@ -192,5 +206,5 @@ def test_float32_and_modules_it_does_not_match_keep_their_forward(
 
     monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", offset_norm)  # a future version's norm, say
     changed = loader.load_model(Settings(model=str(folder), dtype="bfloat16", device="cpu"))
-    assert not any(isinstance(layer, FewRowLayer) for layer in changed.model.model.layers)
-    assert decode_layer.use_few_row_layers(changed.model) == 0
+    assert not any(isinstance(layer, FusedLayer) for layer in changed.model.model.layers)
+    assert fused_layer.fuse_layers(changed.model) == 0
