@@ -2,8 +2,9 @@
 (its forward-op shares) and `efficiency` (the decode step's breakdown, issue 36's target 2).
 
 `OP_GROUPS` names the ops of each group (an aten op of none is an "other op": norms, RoPE, SiLU,
-the residual adds...). `labelled(core)` puts two parts of a step into `torch.profiler` ranges:
-chatcore's paged attention function, all of it (the K/V writes, the decode kernel, the prefill
+the residual adds...; the C calls in `OP_GROUPS` show as `native.traced` ranges). `labelled(core)`
+puts two parts of a step into `torch.profiler` ranges: chatcore's paged attention of a layer, all
+of it (the K/V writes, the decode kernel, the prefill
 attention, the reshapes around them: `RANGES[0]`), and the engine's sampling (`EngineCore._sample`:
 `RANGES[1]`). `op_split` counts an op inside one of those ranges under the range's name, any other
 under its group. Times are each op's self time, so nested ops count once; what a step spends
@@ -18,20 +19,20 @@ from collections.abc import Iterator
 from typing import Any
 
 from torch.profiler import record_function
-from transformers import AttentionInterface
 
 from chatcore.engine.core import EngineCore
-from chatcore.kernels import cpu_linear, native
+from chatcore.kernels import cpu_linear, cpu_pointwise, cpu_store, native
 from chatcore.models import paged_attention
 
+OTHER = "other ops"
 OP_GROUPS = {
     "matmul": {"aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", cpu_linear.PROFILER_NAME},
     "attention math": {"aten::_softmax", "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::masked_fill_",
                        "aten::exp", "aten::amax", "aten::sub", "aten::div_", "aten::baddbmm", native.PROFILER_NAME},
     "K/V gather and write": {"aten::index", "aten::index_put_", "aten::_index_put_impl_", "aten::index_select",
-                             "aten::copy_", "aten::cat"},
+                             "aten::copy_", "aten::cat", cpu_store.PROFILER_NAME},
+    OTHER: set(cpu_pointwise.PROFILER_NAMES.values()),  # the fused layer's RMSNorm, RoPE and SiLU * up in C
 }
-OTHER = "other ops"
 RANGES = ("attention", "sampling")  # what `labelled` wraps, in ranges of these names
 
 
@@ -48,15 +49,17 @@ def labelled(core: EngineCore) -> Iterator[None]:
     attention, sampling = RANGES
     sample, wrapped = core._sample, "_sample" in vars(core)  # a wrapper already on the instance stays
 
+    attend = paged_attention.attend
+
     def labelled_attention(*args: Any, **kwargs: Any) -> Any:
         with record_function(attention):
-            return paged_attention.paged_attention_forward(*args, **kwargs)
+            return attend(*args, **kwargs)
 
     def labelled_sample(*args: Any, **kwargs: Any) -> Any:
         with record_function(sampling):
             return sample(*args, **kwargs)
 
-    AttentionInterface.register(paged_attention.ATTENTION_NAME, labelled_attention)
+    paged_attention.attend = labelled_attention  # both the modules' attention and fused_layer.py call it
     core._sample = labelled_sample  # type: ignore[method-assign]
     try:
         yield
@@ -65,7 +68,7 @@ def labelled(core: EngineCore) -> Iterator[None]:
             core._sample = sample  # type: ignore[method-assign]
         else:
             del core._sample  # the method shows through again
-        paged_attention.register()
+        paged_attention.attend = attend
 
 
 def _range_of(event: Any) -> str | None:

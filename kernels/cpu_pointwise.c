@@ -10,6 +10,10 @@
 #include <math.h>
 #include <stdint.h>
 
+/* Full-width vectors where the CPU has AVX-512 (gcc's default for it is 256 bits): SiLU * up at
+   64 rows of SmolLM2 64 -> 47 us, at 512 rows 527 -> 278 us on the 2-core AMX Xeon. */
+#pragma GCC target("prefer-vector-width=512")
+
 #include "bfloat16.h"
 
 /* glibc's vector expf (libmvec), declared as in cpu_decode.c: the SiLU loop vectorizes. */

@@ -19,6 +19,11 @@ import torch
 
 from chatcore.kernels import native
 
+PROFILER_NAMES = {  # how each call shows in torch.profiler (bench/step_ops.py)
+    "chatcore_rms_norm_bf16": "kernels::rms_norm_bf16_c",
+    "chatcore_rope_bf16": "kernels::rope_bf16_c",
+    "chatcore_silu_mul_bf16": "kernels::silu_mul_bf16_c",
+}
 MAX_HEAD_DIM = 1024  # kernels/cpu_pointwise.c's RoPE buffers
 _INT = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -58,7 +63,8 @@ def _call(name: str, *args: object) -> None:
     functions = _functions()
     if functions is None:
         raise RuntimeError("the C kernels are not built here (kernels/native.py logged why)")
-    functions[name](*args)
+    with native.traced(PROFILER_NAMES[name]):
+        functions[name](*args)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

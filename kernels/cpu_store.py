@@ -17,6 +17,7 @@ import torch
 
 from chatcore.kernels import native
 
+PROFILER_NAME = "kernels::store_kv_c"  # how a call shows in torch.profiler (bench/step_ops.py)
 _ARGTYPES = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
              ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
 
@@ -57,8 +58,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     size = key.element_size()
     row_bytes = key.shape[1] * key.shape[2] * size
     num_slots = key_cache.shape[0] * key_cache.shape[1]
-    status = kernel(key.data_ptr(), value.data_ptr(), key.stride(0) * size, value.stride(0) * size,
-                    key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0], row_bytes,
-                    num_slots)
+    with native.traced(PROFILER_NAME):
+        status = kernel(key.data_ptr(), value.data_ptr(), key.stride(0) * size, value.stride(0) * size,
+                        key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0],
+                        row_bytes, num_slots)
     if status:
         raise ValueError(f"a slot is outside the cache's {num_slots} slots")

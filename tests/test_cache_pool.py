@@ -65,10 +65,10 @@ def test_adjacency_hint_follows_the_previous_block() -> None:
     a.append_slots(1)  # a's last block is 0 and 1 is taken: the queue head, 2
     b.append_slots(1)  # b's last block is 1 and 2 is taken: the queue head, 3
     assert a.block_ids == [0, 2] and b.block_ids == [1, 3]
-    a.release()  # frees 2, then 0: the queue is now 4 5 6 7 2 0
+    a.release()  # frees 2, then 0, each to the queue's front: it is now 0 2 4 5 6 7
     c = BlockTable(pool, "c")
-    c.append_slots(12)
-    assert c.block_ids == [4, 5, 6]
+    c.append_slots(12)  # the blocks once written first (1 and 3 are taken), a fresh one only then
+    assert c.block_ids == [0, 2, 4]
     assert_clean(pool)
 
 
