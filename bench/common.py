@@ -322,7 +322,8 @@ class GemmChain:
     tokens runs, in the model's dtype, on its device (issue 36's "same-shape GEMM chain").
 
     The shapes come from the model's own `nn.Linear` modules, so any architecture gives its own
-    chain: for a Llama-like decoder, each layer's q, k, v, o, gate, up and down projections; then
+    chain: for a Llama-like decoder, each layer's q, k, v, o, gate, up and down projections (q|k|v
+    and gate|up as one linear each where chatcore/models/fused_layer.py fused them); then
     the LM head (`get_output_embeddings()`) once. Each linear gets a weight of its own (random:
     the values do not change a GEMM's time), distinct per layer, so the weights stream from memory
     as the model's do; no bias is added. The weight is stored [in, out] contiguous, the

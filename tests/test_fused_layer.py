@@ -32,9 +32,12 @@ def _random(*shape: int, seed: int = 0) -> torch.Tensor:
 
 
 def _mostly_equal(ours: torch.Tensor, theirs: torch.Tensor) -> None:
-    """Equal but for rare last-bit differences (the sum's order, expf's last bit)."""
+    """Equal but for rare last-bit differences (the sum's order, expf's last bit): each within one
+    bfloat16 step of its value, or of the tensor's scale where a residual add cancelled (a last-bit
+    difference in a large addend stays absolute in a small sum)."""
     assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
-    assert torch.allclose(ours.float(), theirs.float(), rtol=2**-7, atol=1e-6)
+    difference, size = (ours.float() - theirs.float()).abs(), theirs.float().abs()
+    assert (difference <= size * 2**-7 + size.max() * 2**-8).all()
     assert (ours != theirs).float().mean() < 0.01
 
 

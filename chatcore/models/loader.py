@@ -110,7 +110,9 @@ def _stop_ids(model: Any, tokenizer: Any) -> frozenset[int]:
 def load_model(settings: Settings) -> LoadedModel:
     """The model on `settings.device`; raises `DeviceUnavailable`, or `UnsupportedWeights` for
     `weights=int8` where it cannot run, before reading any weights. With `weights=int8` the decoder
-    layers' linears are quantized first (`int8_weights.py`); the layout passes then leave them be."""
+    layers' linears are quantized first (`int8_weights.py`); the layout passes then leave them be.
+    After the probe, a Llama-family bfloat16 layer on the CPU is fused (`fused_layer.py`), then
+    bfloat16 linears are packed (`weight_layout.py`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(settings.device)
