@@ -19,7 +19,7 @@
 /* glibc's vector expf (libmvec), declared as in cpu_decode.c: the SiLU loop vectorizes. */
 __attribute__((__simd__("notinbranch"))) float expf(float);
 
-#define PARALLEL_VALUES 65536  /* below this many values a step runs on the calling thread */
+#define PARALLEL_VALUES 16384  /* below this many values a step runs on the calling thread */
 #define TEAM(values) num_threads((values) >= PARALLEL_VALUES ? threads : 1)
 
 /* y = weight * bf16(x * rsqrt(mean(x^2) + eps)), per row of `dim`; x, y: [rows][dim]. */

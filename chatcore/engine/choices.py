@@ -18,6 +18,7 @@ import torch
 from chatcore.engine.outputs import TokenLogprob
 from chatcore.engine.penalties import Penalties
 from chatcore.engine.request import Request, SamplingParams, TokenSequence
+from chatcore.engine.sampler import greedy
 from chatcore.engine.transfers import DownloadPack
 
 Item = tuple[Request, TokenSequence, int]  # a sample: its request, its sequence, its row of logits
@@ -41,7 +42,7 @@ class StepChoices:
         drawn = {i: draw(row(i), req.params, generator(req, seq))
                  for i, (req, seq, _) in enumerate(items) if not req.params.greedy}
         self.drawn_at = {item: j for j, item in enumerate(drawn)}
-        shaped_argmax = shaped.argmax(dim=-1) if shaped is not None else None
+        shaped_argmax = greedy(shaped) if shaped is not None else None
         if shaped_argmax is not None:
             pack.add("shaped", shaped_argmax)
         if drawn:

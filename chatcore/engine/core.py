@@ -30,7 +30,7 @@ from chatcore.engine.penalties import Penalties
 from chatcore.engine.pool_sizing import depth_cost, kv_storage_dtype, pool_size
 from chatcore.engine.request import Request, SamplingParams, TokenSequence
 from chatcore.engine.runner import ModelRunner
-from chatcore.engine.sampler import beam_candidates, make_generator, sample
+from chatcore.engine.sampler import beam_candidates, greedy, make_generator, sample
 from chatcore.engine.scheduler import ScheduledSeq, Scheduler, StepPlan
 from chatcore.engine.transfers import DownloadPack
 from chatcore.kv.tensors import KVTensors
@@ -229,7 +229,7 @@ class EngineCore:
         if constrained:  # before anything reads the logits: the grammar's -inf rule them all
             bitmask = self.runner.transfers.upload_bitmask(self.grammars.masks(constrained, logits.shape[0]))
             self.grammars.apply(logits, bitmask, sorted({row for _, row in constrained}))
-        argmax = logits.argmax(dim=-1)
+        argmax = greedy(logits)
         pack = DownloadPack()
         pack.add("argmax", argmax)
         choices = StepChoices(plain, logits, argmax, pack, self._penalties, sample, self._generator)

@@ -22,6 +22,16 @@ def make_generator(seed: int | None, index: int, device: torch.device) -> torch.
     return generator
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest logit, the first where several tie (a NaN counts as largest).
+
+    On the CPU `max(dim=-1).indices` gives argmax's indices, ties and NaNs included, in a fraction
+    of its time: a 64-chat step's bfloat16 logits of SmolLM2 (64 x 49,152), 2 threads, 5.8 against
+    1.3 ms (float32: 2.5 against 0.9). Elsewhere argmax, whose ties the docs settle.
+    """
+    return logits.max(dim=-1).indices if logits.device.type == "cpu" else logits.argmax(dim=-1)
+
+
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, then top-p (nucleus), on one row of float32 logits."""
     scaled = logits / params.temperature
