@@ -97,10 +97,10 @@ def test_what_the_pointwise_kernels_cannot_take_is_refused() -> None:
         cpu_linear.linear(_random(3, 96), cpu_linear.lay_out(weight), 64, None, residual=_random(2, 64))
 
 
-def _decode(loaded: loader.LoadedModel, chats: int, tokens: int) -> list[list[int]]:
-    settings = Settings(dtype="bfloat16", num_blocks=256, debug_audit=True)
-    core = EngineCore(loaded, settings)
-    prompts = [loaded.tokenizer.encode(f"The quick brown fox {i} jumps over the lazy dog") for i in range(chats)]
+def _decode(loaded: loader.LoadedModel, chats: int, tokens: int, repeat: int = 1, **settings: object) -> list[list[int]]:
+    core = EngineCore(loaded, Settings(**{"dtype": "bfloat16", "num_blocks": 256, "debug_audit": True, **settings}))
+    prompts = [loaded.tokenizer.encode(f"The quick brown fox {i} jumps over the lazy dog. " * repeat)
+               for i in range(chats)]
     requests = [core.make_request(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True)) for prompt in prompts]
     for request in requests:
         core.add(request)
@@ -141,6 +141,15 @@ def test_tiny_models_decode_the_same_tokens_as_through_their_modules(
         calls["fused"] = 0
         assert _decode(fast, chats, 12) == _decode(plain, chats, 12), chats
         assert calls["fused"] >= 12 * len(fast.model.model.layers)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
+def test_chunked_prompts_and_other_kv_dtypes_decode_the_same_tokens(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kv_dtype: str) -> None:
+    folder = save_tiny_model(tmp_path / "llama", "llama")
+    fast, plain = _load(folder, monkeypatch, True), _load(folder, monkeypatch, False)
+    options = {"kv_dtype": kv_dtype, "max_batch_tokens": 64}  # ~200-token prompts: four chunks each, then decode
+    assert _decode(fast, 3, 10, repeat=6, **options) == _decode(plain, 3, 10, repeat=6, **options)
 
 
 @pytest.fixture(scope="module")
