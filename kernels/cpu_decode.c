@@ -347,8 +347,8 @@ static inline __attribute__((always_inline)) void attend_dim(
 }
 
 /* Returns 0, or -1 when a thread could not allocate its buffers, or -2 when a block id the
-   context needs is outside [0, num_blocks), or -3 for a kind this build cannot read. `out`
-   (the query's kind) is then unspecified. */
+   context needs is outside [0, num_blocks), or -3 for a kind this build cannot read, or -4 when
+   a context is longer than `max_context`. `out` (the query's kind) is then unspecified. */
 int chatcore_paged_decode(const void *query, const void *key_cache, const void *value_cache,
                           const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens, void *out,
                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -387,6 +387,11 @@ int chatcore_paged_decode(const void *query, const void *key_cache, const void *
             const int32_t *table = block_tables + seq * table_stride;
             if (len <= 0) {
                 memset(o_out, 0, count * query_size);
+                continue;
+            }
+            if (len > max_context) {  /* the scores were sized for max_context: never write past them */
+#pragma omp atomic write
+                status = -4;
                 continue;
             }
             int bad = 0;

@@ -214,17 +214,21 @@ def accepts(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
 
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           max_context: int | None = None) -> torch.Tensor:
     """`kernels.reference.paged_decode_attention`'s contract, for arguments `accepts` took.
+    `max_context`, when the caller knows it, bounds every context length (read from `context_lens`
+    otherwise).
 
-    Raises ValueError when a context is longer than its table row holds or needs a block id
-    outside the pool (nothing is read out of bounds)."""
+    Raises ValueError when a context is longer than its table row holds, or than `max_context`,
+    or needs a block id outside the pool (nothing is read or written out of bounds)."""
     decode = _decode()
     if decode is None:
         raise RuntimeError("the C decode attention is not available")
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
-    max_context = int(context_lens.max()) if num_seqs else 0
+    if max_context is None:
+        max_context = int(context_lens.max()) if num_seqs else 0
     if max_context > block_tables.shape[1] * block_size:
         raise ValueError("a context is longer than its block table holds")
     out = torch.empty_like(query)
@@ -236,6 +240,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
             torch.get_num_threads())
     if status == -2:
         raise ValueError("a block table entry within a context is outside the cache")
+    if status == -4:
+        raise ValueError(f"a context is longer than the {max_context} tokens given as the longest")
     if status == -3:
         raise RuntimeError("this build of the C decode attention cannot read float16")
     if status:

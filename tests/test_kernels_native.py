@@ -231,3 +231,36 @@ def test_the_build_is_cached_in_a_private_folder(tmp_path: Path) -> None:
     again = built.stat()
     assert (again.st_ino, again.st_mtime_ns) == (first.st_ino, first.st_mtime_ns) and result.stderr == ""
     assert sorted(p.name for p in folder.iterdir()) == [built.name]
+
+
+def test_a_known_longest_context_gives_the_same_output_and_bounds_every_context():
+    case = make_case([5, 40, 17], num_kv_heads=2, group=2, head_dim=16, block_size=8, dtype=torch.bfloat16)
+    assert torch.equal(native.paged_decode_attention(*case, 0.25, 40), native.paged_decode_attention(*case, 0.25))
+    with pytest.raises(ValueError, match="longer than the 39 tokens"):  # its scores would not fit: nothing written
+        native.paged_decode_attention(*case, 0.25, 39)
+
+
+def test_a_steps_route_takes_the_c_kernels_directly_where_they_apply(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from chatcore.kernels import cpu_store
+
+    query, key_cache, value_cache, table, lens = make_case([5, 40], num_kv_heads=2, group=2, head_dim=16,
+                                                           block_size=8, dtype=torch.bfloat16)
+    key = value = torch.randn(2, 2, 16).to(torch.bfloat16)
+    slots = torch.tensor([int(table[0, 0]) * 8 + 4, int(table[1, 4]) * 8 + 7])
+    route = kernels.route(query, key, value, key_cache, value_cache, slots, table, lens, 40)
+    assert route.store is cpu_store.store_kv
+    expected = key_cache.clone(), value_cache.clone()
+    kernels.store_kv(key, value, *expected, slots)
+    route.store(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, expected[0]) and torch.equal(value_cache, expected[1])
+    assert torch.equal(route.decode(query, key_cache, value_cache, table, lens, 0.25),
+                       kernels.paged_decode_attention(query, key_cache, value_cache, table, lens, 0.25))
+    # A cast into the caches, or no decode rows: the checked entry points serve what the C kernels do not.
+    wide = key.float()
+    assert kernels.route(query, wide, wide, key_cache, value_cache, slots, table, lens, 40) == \
+        kernels.AttentionRoute(kernels.store_kv, kernels.paged_decode_attention)
+    assert kernels.route(query[:0], key, value, key_cache, value_cache, slots, None, None, None) == \
+        kernels.AttentionRoute(cpu_store.store_kv, kernels.paged_decode_attention)
+    with pytest.raises(ValueError, match="slot_mapping"):  # the first layer's arguments are checked
+        kernels.route(query, key, value, key_cache, value_cache, slots.int(), table, lens, 40)

@@ -161,6 +161,7 @@ class ModelRunner:
             prefill=PrefillMeta(pack.take(values, prefill_tables).view(len(prefill), -1),
                                 tuple(e.start for e in prefill), tuple(e.num_tokens for e in prefill))
             if prefill else None,
+            decode_max_context=max((e.start + 1 for e in decode), default=0),
         )
         out = self.model(input_ids=long(ids_at).unsqueeze(0), position_ids=long(positions_at).unsqueeze(0),
                          use_cache=False, logits_to_keep=long(rows_at), chatcore_step=meta)

@@ -52,12 +52,17 @@ class PrefillMeta:
 
 @dataclass(slots=True)
 class StepMeta:
+    """`decode_max_context`: the longest decode context, when the host knows it (no kernel then reads
+    it back); `route`: the kernels the step's layers call, chosen by its first layer (`attend`)."""
+
     kv: KVTensors
     slot_mapping: torch.Tensor
     num_decode: int
     decode_block_tables: torch.Tensor | None
     decode_context_lens: torch.Tensor | None
     prefill: PrefillMeta | None
+    decode_max_context: int | None = None
+    route: kernels.AttentionRoute | None = None
 
 
 def paged_attention_forward(
@@ -91,13 +96,17 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     """Layer `layer`'s attention of the step's packed rows: `q` [T, heads, D], the rotated `k` and `v`
     [T, kv_heads, D] (views of any strides); writes k and v into their slots, returns [T, heads, D]."""
     key_cache, value_cache = meta.kv.layer(layer)
-    kernels.store_kv(k.to(key_cache.dtype), v.to(value_cache.dtype), key_cache, value_cache, meta.slot_mapping)
+    k, v = k.to(key_cache.dtype), v.to(value_cache.dtype)
     nd = meta.num_decode
+    query = q[:nd].contiguous()
+    if meta.route is None:
+        meta.route = kernels.route(query, k, v, key_cache, value_cache, meta.slot_mapping, meta.decode_block_tables,
+                                   meta.decode_context_lens, meta.decode_max_context)
+    meta.route.store(k, v, key_cache, value_cache, meta.slot_mapping)
     parts: list[torch.Tensor] = []
     if nd:
-        parts.append(kernels.paged_decode_attention(
-            q[:nd].contiguous(), key_cache, value_cache, meta.decode_block_tables,
-            meta.decode_context_lens, scale))
+        parts.append(meta.route.decode(query, key_cache, value_cache, meta.decode_block_tables,
+                                       meta.decode_context_lens, scale))
     if meta.prefill is not None:
         parts.append(prefill.prefill_attention(q[nd:], key_cache, value_cache, meta.prefill, scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
