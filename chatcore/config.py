@@ -128,6 +128,8 @@ class Settings(BaseSettings):
                                  "request or upgrade gets 503")
     header_timeout_s: float = Field(10.0, gt=0, description="a connection whose request headers are not complete "
                                     "this long after it opened (or after its last response) is closed")
+    body_timeout_s: float = Field(30.0, gt=0, description="a request whose body has not arrived in full this long "
+                                  "after its headers did gets 408 and its connection is closed")
     max_unauthenticated_sockets_per_address: int = Field(
         8, ge=1, description="WebSockets from one client address waiting for their auth frame at once, at most; "
         "past it the socket gets busy and is closed (1008)")

@@ -1,6 +1,7 @@
-"""What a client may hold open, and what a `hello` may cost (issue 38, items 6 and 7), against a real
-keyed server on loopback: the connection bound (HTTP and WebSocket upgrades), the header deadline,
-the per-address bound on sockets waiting for their `auth` frame, and the history pages and their rate."""
+"""What a client may hold open, and what a `hello` may cost (issue 38, items 6 and 7; issue 47, item 2),
+against a real keyed server on loopback: the connection bound (HTTP and WebSocket upgrades), the header
+and body deadlines, the per-address bound on sockets waiting for their `auth` frame, and the history
+pages and their rate."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ import types
 import httpx
 import pytest
 import websockets
+import websockets.sync.client
 
 from tests.server_helpers import create_key, recv_until, start_server
 
 pytestmark = pytest.mark.model
 MAX_CONNECTIONS = 24
 HEADER_TIMEOUT_S = 1.0
+BODY_TIMEOUT_S = 3.0
 PENDING_PER_ADDRESS = 3
 READS_PER_MINUTE = 5
 PAGE = 4
@@ -32,6 +35,7 @@ def guarded(tmp_path_factory):
     cli = types.SimpleNamespace(env={**os.environ, "CHATCORE_DATA_DIR": str(data)})
     key = create_key(cli, "alpha")
     server = start_server(data, max_connections=MAX_CONNECTIONS, header_timeout_s=HEADER_TIMEOUT_S,
+                          body_timeout_s=BODY_TIMEOUT_S,
                           max_unauthenticated_sockets_per_address=PENDING_PER_ADDRESS,
                           max_history_reads_per_minute=READS_PER_MINUTE, history_page_messages=PAGE)
     server.keys = {"alpha": key}
@@ -65,6 +69,110 @@ def test_a_connection_with_half_its_headers_is_closed_within_the_header_timeout(
     with httpx.Client(base_url=guarded.base_url, timeout=30) as client:
         assert client.get("/healthz").status_code == 200
         assert client.get("/healthz").status_code == 200
+
+
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def body_head(server, path: str, length: int, *extra: bytes) -> bytes:
+    """A keyed POST's complete headers, announcing a JSON body of `length` bytes."""
+    lines = [b"POST " + path.encode() + b" HTTP/1.1", b"Host: 127.0.0.1",
+             b"Authorization: Bearer " + server.keys["alpha"].encode(), b"Content-Type: application/json",
+             b"Content-Length: " + str(length).encode(), *extra]
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+def read_answer(conn: socket.socket, timeout: float) -> tuple[int, dict[str, str], dict]:
+    """The status, headers and JSON body of the next HTTP/1.1 answer (with a Content-Length) on `conn`;
+    fails (socket.timeout) if none comes within `timeout`."""
+    conn.settimeout(timeout)
+    received = b""
+    while True:
+        head, blank, body = received.partition(b"\r\n\r\n")
+        if blank:
+            status_line, *header_lines = head.decode("latin-1").split("\r\n")
+            headers = {name.lower(): value.strip() for name, _, value in (h.partition(":") for h in header_lines)}
+            if len(body) >= int(headers["content-length"]):
+                return int(status_line.split()[1]), headers, json.loads(body)
+        chunk = conn.recv(65536)
+        assert chunk, f"closed before a whole answer: {received!r}"
+        received += chunk
+
+
+def recv_exactly(conn: socket.socket, size: int, timeout: float) -> bytes:
+    conn.settimeout(timeout)
+    received = b""
+    while len(received) < size and (chunk := conn.recv(size - len(received))):
+        received += chunk
+    return received
+
+
+def closed_by_server(conn: socket.socket, timeout: float) -> bool:
+    conn.settimeout(timeout)
+    return conn.recv(1024) == b""
+
+
+def test_a_body_that_stops_arriving_gets_408_naming_body_timeout_s_and_the_connection_closes(guarded):
+    key = guarded.keys["alpha"]
+    # A WebSocket opened before the trickle: its connection outlives the body deadline untouched.
+    with websockets.sync.client.connect(guarded.ws_url, additional_headers={"Authorization": f"Bearer {key}"},
+                                        open_timeout=30) as ws:
+        ws.send(json.dumps({"type": "hello"}))
+        assert json.loads(ws.recv(timeout=30))["type"] == "session"
+        started = time.monotonic()
+        trickle = raw_connection(guarded, body_head(guarded, "/v1/sessions", 1000) + b"{")
+        try:
+            # Meanwhile a whole request on another connection is answered, the trickle not yet.
+            created = httpx.post(guarded.base_url + "/v1/sessions", json={"title": "on time"}, timeout=30,
+                                 headers={"Authorization": f"Bearer {key}"})
+            assert created.status_code == 201, created.text
+            trickle.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                trickle.recv(1)
+            status, headers, body = read_answer(trickle, BODY_TIMEOUT_S + 20)
+            waited = time.monotonic() - started
+            assert closed_by_server(trickle, 30)
+        finally:
+            trickle.close()
+        assert status == 408 and headers["connection"] == "close"
+        assert body["error"]["code"] == "bad_request" and "body_timeout_s" in body["error"]["message"], body
+        assert waited >= BODY_TIMEOUT_S - 0.05  # the deadline, not an earlier refusal
+        ws.send(json.dumps({"type": "ping"}))
+        assert json.loads(ws.recv(timeout=30)) == {"type": "pong"}
+
+
+def test_a_large_body_that_arrives_in_pieces_within_body_timeout_s_is_served(guarded):
+    messages = [m for i in range(200) for m in ({"role": "user", "content": f"question {i} " + "q" * 200},
+                                                 {"role": "assistant", "content": f"answer {i} " + "a" * 200})]
+    body = json.dumps({"title": "in pieces", "messages": messages}).encode()
+    half = len(body) // 2
+    conn = raw_connection(guarded, body_head(guarded, "/v1/sessions/import", len(body)) + body[:half])
+    try:
+        assert healthz(guarded) == 200  # another connection answered while this body is half sent
+        conn.sendall(body[half:])
+        status, _, imported = read_answer(conn, 120)
+    finally:
+        conn.close()
+    assert status == 201 and imported["turns"] == 200, imported
+
+
+def test_trickled_bodies_on_every_connection_free_healthz_at_the_body_deadline(guarded):
+    # `Expect: 100-continue` makes the server say when its handler starts reading each body: then every
+    # one of these connections is open and counted, with no sleep to wait for it.
+    trickles = [raw_connection(guarded, body_head(guarded, "/v1/sessions", 1000, b"Expect: 100-continue") + b"{")
+                for _ in range(MAX_CONNECTIONS - 1)]
+    try:
+        for conn in trickles:
+            assert recv_exactly(conn, len(CONTINUE), 30) == CONTINUE
+        assert healthz(guarded) == 503  # the last place is /healthz's own connection: the server is full
+        for conn in trickles:
+            status, _, body = read_answer(conn, BODY_TIMEOUT_S + 20)
+            assert status == 408 and "body_timeout_s" in body["error"]["message"], body
+            assert closed_by_server(conn, 30)
+    finally:
+        for conn in trickles:
+            conn.close()
+    assert healthz(guarded) == 200
 
 
 async def test_connections_past_max_connections_get_503_http_and_websocket(guarded):

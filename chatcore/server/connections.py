@@ -5,6 +5,11 @@
 - `header_timeout_s`: a connection whose request headers are not complete this long after it opened,
   or after its last response, is closed. uvicorn has no such timeout (`timeout_keep_alive` starts only
   after a response), so a client could hold a connection forever with half a request.
+- `body_timeout_s`: a request whose body has not arrived in full this long after its headers did gets
+  408 (the usual JSON error body, `bad_request`) and its connection is closed, whatever the route and
+  whether or not its handler reads the body; a response already begun is cut off instead. Without it a
+  client could hold a connection (and, at `max_connections`, the whole server) with a body that never
+  ends. A WebSocket upgrade has no body and is not timed.
 - `max_unauthenticated_sockets_per_address`: WebSockets from one address waiting for their `auth`
   frame (`PendingSockets`, used by `chatcore.server.ws`). A socket whose upgrade carries a key, or any
   socket in open mode, is authenticated at once and never waits there.
@@ -17,35 +22,57 @@ import logging
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+import msgspec
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.utils import get_client_addr
 
 from chatcore.outcomes import ErrorCode
 from chatcore.server.errors import ApiError
+
+if TYPE_CHECKING:
+    from uvicorn._types import ASGI3Application
 
 log = logging.getLogger(__name__)
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
-    """uvicorn's HTTP protocol with a deadline on request headers and the connection bound on upgrades.
+    """uvicorn's HTTP protocol with deadlines on request headers and bodies, and the connection bound on
+    upgrades.
 
-    The deadline is armed when the connection opens and after each response (unless a pipelined
-    request is already parsed), and disarmed when a request's headers are complete."""
+    The header deadline is armed when the connection opens and after each response (unless a pipelined
+    request is already parsed), and disarmed when a request's headers are complete. The body deadline
+    is armed when a request starts (its ASGI task; a pipelined request's when the one before it has
+    been answered) and disarmed when the parser has its whole body: only the request being parsed can
+    lack part of its body, so one deadline a connection suffices."""
 
     header_timeout_s: float = 10.0  # set per server by `guarded_http_protocol`
+    body_timeout_s: float = 30.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._header_deadline: asyncio.TimerHandle | None = None
+        self._body_deadline: asyncio.TimerHandle | None = None
         super().connection_made(transport)
         self._arm_header_deadline()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_deadline()
+        self._disarm_body_deadline()
         super().connection_lost(exc)
 
     def on_headers_complete(self) -> None:
         self._disarm_header_deadline()
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._disarm_body_deadline()
+        super().on_message_complete()
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+        super()._start_asgi_task(cycle, app)
+        if cycle.more_body:
+            self._arm_body_deadline(cycle)
 
     def on_response_complete(self) -> None:
         idle = not self.pipeline
@@ -84,10 +111,47 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                      self.header_timeout_s)
             self.transport.close()
 
+    def _arm_body_deadline(self, cycle: RequestResponseCycle) -> None:
+        self._disarm_body_deadline()
+        self._body_deadline = self.loop.call_later(self.body_timeout_s, self._body_deadline_passed, cycle)
 
-def guarded_http_protocol(header_timeout_s: float) -> type[GuardedHttpProtocol]:
-    """The protocol class to give uvicorn (`Config(http=...)`), with this server's header timeout."""
-    return type("GuardedHttpProtocol", (GuardedHttpProtocol,), {"header_timeout_s": header_timeout_s})
+    def _disarm_body_deadline(self) -> None:
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
+
+    def _body_deadline_passed(self, cycle: RequestResponseCycle) -> None:
+        self._body_deadline = None
+        if self.transport.is_closing():
+            return
+        answered = not cycle.response_started
+        log.info("%s %s from %s: the request body did not arrive in full within %g s (body_timeout_s): %s",
+                 cycle.scope["method"], cycle.scope["path"], get_client_addr(cycle.scope), self.body_timeout_s,
+                 "answered 408 and closed" if answered else "closed (its response had begun)")
+        if answered:
+            self.transport.write(self._timeout_response())
+        # The handler, if it still waits for the body, reads a disconnect; anything it sends is dropped.
+        cycle.disconnected = True
+        cycle.message_event.set()
+        self.transport.close()
+
+    def _timeout_response(self) -> bytes:
+        body = msgspec.json.encode({"error": {
+            "code": ErrorCode.BAD_REQUEST,
+            "message": f"the request body did not arrive in full within {self.body_timeout_s:g} s of its "
+                       "headers (body_timeout_s)"}})
+        head = [STATUS_LINE[408]]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        head += [b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
+                 b"\r\nconnection: close\r\n\r\n"]
+        return b"".join(head) + body
+
+
+def guarded_http_protocol(header_timeout_s: float, body_timeout_s: float) -> type[GuardedHttpProtocol]:
+    """The protocol class to give uvicorn (`Config(http=...)`), with this server's header and body timeouts."""
+    return type("GuardedHttpProtocol", (GuardedHttpProtocol,),
+                {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s})
 
 
 class PendingSockets:

@@ -114,8 +114,8 @@ def serve_command(settings: Settings) -> int:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             log_config=None,  # uvicorn's records go to the root logger's format
                             ws_max_size=settings.max_frame_bytes * 4, timeout_graceful_shutdown=10,
-                            limit_concurrency=settings.max_connections,
-                            http=guarded_http_protocol(settings.header_timeout_s))  # chatcore/server/connections.py
+                            limit_concurrency=settings.max_connections,  # chatcore/server/connections.py
+                            http=guarded_http_protocol(settings.header_timeout_s, settings.body_timeout_s))
     hygiene = LogHygiene(f"{NotReady.__module__}.{NotReady.__qualname__}")  # after uvicorn's logging set-up
     for name in ("uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).addFilter(hygiene)
