@@ -49,7 +49,8 @@ async def test_null_stream_options_asks_for_nothing_and_is_taken(http: httpx.Asy
 
 @pytest.mark.parametrize("route", sorted(ROUTES))
 async def test_stream_options_with_a_stream_still_adds_the_usage_chunk(http: httpx.AsyncClient, route: str) -> None:
-    async with http.stream("POST", route, json=body(route, stream=True, stream_options={"include_usage": True})) as resp:
+    streamed = body(route, stream=True, stream_options={"include_usage": True})
+    async with http.stream("POST", route, json=streamed) as resp:
         assert resp.status_code == 200
         lines = [line async for line in resp.aiter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"

@@ -75,7 +75,8 @@ async def test_a_system_prompt_that_leaves_no_turn_is_refused_at_hello_and_the_t
         assert await stored_sessions(server) == before  # no session was made
         # The same socket may still open a session, with a system prompt that leaves the smallest turn.
         session = await hello(ws, system_prompt=system(words))
-        await ws.send(json.dumps({"type": "user", "id": "x", "content": "x", "params": {"temperature": 0, "ignore_eos": True}}))
+        await ws.send(json.dumps({"type": "user", "id": "x", "content": "x",
+                                  "params": {"temperature": 0, "ignore_eos": True}}))
         done = (await recv_until(ws, "done"))[-1]
     assert done["finish_reason"] == "length", done
     assert done["usage"]["prompt_tokens"] == CONTEXT - 1 and done["usage"]["completion_tokens"] == 1
