@@ -140,7 +140,9 @@ class Settings(BaseSettings):
     max_schema_bytes: int = Field(
         32768, ge=64, description="a response_format (or required tool call) JSON schema's size as compact JSON, in "
         "bytes, at most (the tools' parameters summed)")
-    max_schema_depth: int = Field(32, ge=2, description="a JSON schema's nesting depth (objects and arrays) at most")
+    max_schema_depth: int = Field(
+        32, ge=2, description="a JSON schema's nesting depth at most: levels of objects and arrays below its "
+        "own object")
     max_schema_enum_values: int = Field(1000, ge=1, description="enum values in a JSON schema at most (all enums)")
     grammar_compile_threads: int = Field(
         4, ge=1, description="JSON schemas compiling into grammars at once at most, each on its own low-priority "

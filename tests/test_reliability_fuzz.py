@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+from chatcore.config import Settings
 from tests.reliability_helpers import ERROR_CODES, cache, log_problems, report, sizes
 from tests.server_helpers import start_server
 
@@ -35,13 +36,15 @@ ALLOWED_CLOSES = {1007: "invalid UTF-8", 1009: "frame too large", 1008: "unautho
 KNOWN_TYPES = {"hello", "user", "cancel", "ping", "history"}
 FUZZ_SETTINGS = {"deadline": None, "database": None, "derandomize": True, "print_blob": True,
                  "suppress_health_check": list(HealthCheck)}
+FUZZ_CONTEXT = 1024  # the fuzz server's max_context: a system prompt of this many words cannot leave room for a turn
+SCHEMA_DEPTH = Settings().max_schema_depth  # the fuzz server's: a schema nested this deep is taken, one more refused
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory):
     """Open mode; answers are capped at 4 tokens, so the rare valid turn costs next to nothing."""
     server = start_server(tmp_path_factory.mktemp("fuzz"), max_tokens_limit=4, hot_window_s=0,
-                          max_sessions_per_tenant=100_000)
+                          max_sessions_per_tenant=100_000, max_context=FUZZ_CONTEXT)
     yield server
     server.stop()
 
@@ -87,13 +90,29 @@ def nested_schema(depth: int) -> dict[str, Any]:
     return schema
 
 
+def json_schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
+
 # `response_format`s over a static limit (issue 38): refused before anything compiles, never slow.
 hostile_formats = st.one_of(
-    st.integers(33, 400).map(nested_schema),  # deeper ones: the JSON encoder here would recurse too far
+    # From one level past max_schema_depth (issue 47: the limit itself is taken); deeper ones: the JSON
+    # encoder here would recurse too far.
+    st.integers(SCHEMA_DEPTH + 1, 400).map(nested_schema),
     st.sampled_from(["http://evil.test/s.json", "file:///etc/passwd", "other.json", "#anchor"]).map(
         lambda ref: {"type": "object", "properties": {"a": {"$ref": ref}}}),
     st.integers(1001, 3000).map(lambda n: {"enum": list(range(n))}),
-).map(lambda schema: {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+).map(json_schema_format)
+# Schemas nested up to max_schema_depth, the limit itself included: they compile and are answered.
+formats_at_the_limit = st.integers(SCHEMA_DEPTH - 2, SCHEMA_DEPTH).map(nested_schema).map(json_schema_format)
+
+
+def over_the_context(words: int) -> str:
+    """A system prompt within the 100,000-character cap that leaves no room for a turn (issue 47)."""
+    return "You are terse." + " word" * words
+
+
+system_prompts_over_the_context = st.integers(FUZZ_CONTEXT, 3 * FUZZ_CONTEXT).map(over_the_context)
 
 
 def bad_hello() -> st.SearchStrategy[str]:
@@ -110,6 +129,7 @@ def bad_hello() -> st.SearchStrategy[str]:
         st.text(min_size=129, max_size=300).map(lambda v: with_field(base, "session_id", v)),
         st.text(min_size=201, max_size=300).map(lambda v: with_field(base, "title", v)),
         st.text(min_size=1, max_size=40).map(lambda v: dumps({**base, "session_id": v, "resume_token": "nope"})),
+        system_prompts_over_the_context.map(lambda v: with_field(base, "system_prompt", v)),
     )
 
 
@@ -172,7 +192,8 @@ def huge_number(digits: int, where: str) -> str:
     return '{"type": "user", "id": "h", "content": "hi", "params": {"max_tokens": ' + number + "}}"
 
 
-# A frame, how to send it ("text", "bytes" as a text frame, "binary"), and whether it must be refused.
+# A frame, how to send it ("text", "bytes" as a text frame, "binary"), and whether it must be refused (True),
+# must be answered without an error (False), or is free text to be judged when sent (None).
 frames = st.one_of(
     st.text(max_size=200).map(lambda t: ("text", t, None)),  # mostly not JSON
     json_values.filter(lambda v: not isinstance(v, dict)).map(lambda v: ("text", dumps(v), True)),
@@ -279,6 +300,8 @@ def check_answer(answer: list[dict[str, Any]], code: int | None, must_fail: bool
         assert code in ALLOWED_CLOSES, (code, payload)
     if must_fail:
         assert errors or code in ALLOWED_CLOSES, (answer, code, str(payload)[:300])
+    elif must_fail is False:  # a valid frame: answered, never refused
+        assert not errors and code is None, (answer, code, str(payload)[:300])
 
 
 @pytest.mark.parametrize("examples", sizes(2000, 10000))
@@ -301,6 +324,16 @@ def test_fuzzed_websocket_frames(fuzz_server, capsys, examples: int) -> None:
     @example(frame=("text", '{"type": "hello", "title": "a\\u0000b"}', True), attached=False)
     @example(frame=("text", '{"type": "user", "id": "s", "content": "hi \\u0000"}', True), attached=True)
     @example(frame=("text", '{"type": "user", "id": "\\u0000", "content": "hi"}', True), attached=True)
+    # Issue 47: a system prompt that leaves no room for a turn is refused at the hello; a schema one level past
+    # max_schema_depth is refused, one at the limit is not (it compiles and the turn runs).
+    @example(frame=("text", dumps({"type": "hello", "system_prompt": over_the_context(FUZZ_CONTEXT)}), True),
+             attached=False)
+    @example(frame=("text", dumps({"type": "user", "id": "deep", "content": "hi", "params": {
+        "max_tokens": 1, "response_format": json_schema_format(nested_schema(SCHEMA_DEPTH + 1))}}), True),
+             attached=True)
+    @example(frame=("text", dumps({"type": "user", "id": "at-limit", "content": "hi", "params": {
+        "max_tokens": 1, "response_format": json_schema_format(nested_schema(SCHEMA_DEPTH))}}), False),
+             attached=True)
     def fuzz(frame: tuple[str, Any, bool | None], attached: bool) -> None:
         how, payload, must_fail = frame
         if must_fail is None:  # free text: refused unless it happens to be a valid frame
@@ -331,11 +364,12 @@ def test_fuzzed_websocket_frames(fuzz_server, capsys, examples: int) -> None:
 
 # ----- HTTP ----------------------------------------------------------------------------------------------
 
-ROUTES = [("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/v1/sessions"),
-          ("POST", "/v1/sessions"), ("GET", "/v1/sessions/{sid}"), ("PATCH", "/v1/sessions/{sid}"),
-          ("DELETE", "/v1/sessions/{sid}"), ("POST", "/v1/sessions/{sid}/token"), ("GET", "/v1/admin/cache"),
-          ("GET", "/healthz"), ("GET", "/metrics"), ("GET", "/schema/openapi.json")]
+ROUTES = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
+          ("GET", "/v1/sessions"), ("POST", "/v1/sessions"), ("GET", "/v1/sessions/{sid}"),
+          ("PATCH", "/v1/sessions/{sid}"), ("DELETE", "/v1/sessions/{sid}"), ("POST", "/v1/sessions/{sid}/token"),
+          ("GET", "/v1/admin/cache"), ("GET", "/healthz"), ("GET", "/metrics"), ("GET", "/schema/openapi.json")]
 VALID_COMPLETION = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
+VALID_PROMPT = {"prompt": "hi", "max_tokens": 1, "temperature": 0}  # POST /v1/completions
 COMPLETION_FIELDS = ["messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed", "stop",
                      "user", "stream", "stream_options", "top_k", "bogus"]
 http_bodies = st.one_of(
@@ -347,7 +381,13 @@ http_bodies = st.one_of(
     st.dictionaries(st.sampled_from(["title", "system_prompt", "x"]), json_values, max_size=2)
     .map(lambda d: dumps(d).encode()),
     st.tuples(st.integers(1, 20_000), st.sampled_from(["list", "dict"])).map(lambda a: deep(*a).encode()),
-    hostile_formats.map(lambda fmt: dumps({**VALID_COMPLETION, "response_format": fmt}).encode()),
+    (hostile_formats | formats_at_the_limit)
+    .map(lambda fmt: dumps({**VALID_COMPLETION, "response_format": fmt}).encode()),
+    # Issue 47: stream_options without a stream (refused on both OpenAI routes), and system prompts over the context.
+    st.tuples(st.sampled_from([{}, {"include_usage": True}, {"include_usage": False}]),
+              st.sampled_from([{}, {"stream": False}]), st.sampled_from([VALID_COMPLETION, VALID_PROMPT]))
+    .map(lambda t: dumps({**t[2], **t[1], "stream_options": t[0]}).encode()),
+    system_prompts_over_the_context.map(lambda v: dumps({"system_prompt": v}).encode()),
     st.integers(20, 6000).map(lambda n: ('{"messages": [{"role": "user", "content": "hi"}], "n": ' + "9" * n + "}")
                               .encode()),
     surrogates.map(lambda s: ('{"messages": [{"role": "user", "content": "a' + s + '"}], "max_tokens": 1}').encode()),
@@ -357,6 +397,30 @@ http_bodies = st.one_of(
     .map(lambda f: dumps({"messages": [{"role": "user", "content": "hi"}], f[0]: f"{f[1]}\0"}
                          if f[0] == "content" else {f[0]: f"{f[1]}\0"}).encode()),
 )
+# Issue 47, as explicit examples with the answer each must get: stream_options on a request that does not
+# stream, on both OpenAI routes; a system prompt that leaves no room for a turn; a schema at max_schema_depth
+# (answered) and one level past it.
+EXPECTED: dict[tuple[str, bytes], tuple[int, str | None]] = {
+    ("/v1/chat/completions", dumps({**VALID_COMPLETION, "stream_options": {"include_usage": True}}).encode()):
+        (400, "bad_request"),
+    ("/v1/completions", dumps({**VALID_PROMPT, "stream": False, "stream_options": {"include_usage": True}}).encode()):
+        (400, "bad_request"),
+    ("/v1/sessions", dumps({"system_prompt": over_the_context(FUZZ_CONTEXT)}).encode()): (413, "too_large"),
+    ("/v1/chat/completions", dumps({**VALID_COMPLETION, "response_format": json_schema_format(
+        nested_schema(SCHEMA_DEPTH))}).encode()): (200, None),
+    ("/v1/chat/completions", dumps({**VALID_COMPLETION, "response_format": json_schema_format(
+        nested_schema(SCHEMA_DEPTH + 1))}).encode()): (400, "bad_request"),
+}
+
+
+def answered_as_expected(test: Any) -> Any:
+    """`test` with each of `EXPECTED`'s requests as an explicit example."""
+    for path, body in EXPECTED:
+        test = example(route=("POST", path), body=body, sid="x", content_type="application/json",
+                       session_header=None)(test)
+    return test
+
+
 path_ids = st.text(string.printable + "é✓\u2028\0", min_size=1, max_size=40) | st.just("{real}")
 content_types = st.sampled_from(["application/json", "text/plain", "application/x-www-form-urlencoded",
                                  "multipart/form-data", "", "application/json; charset=latin-1"])
@@ -370,6 +434,7 @@ def test_fuzzed_http_bodies_on_every_route(fuzz_server, capsys, examples: int) -
     started = time.monotonic()
     client = httpx.Client(base_url=fuzz_server.base_url, timeout=120)
 
+    @answered_as_expected
     @settings(max_examples=examples, **FUZZ_SETTINGS)
     @given(route=st.sampled_from(ROUTES), body=http_bodies, sid=path_ids, content_type=content_types,
            session_header=st.none() | st.text(string.ascii_letters + string.digits + "-_./%", max_size=40))
@@ -402,6 +467,10 @@ def test_fuzzed_http_bodies_on_every_route(fuzz_server, capsys, examples: int) -
         if resp.status_code >= 400:
             error = resp.json()["error"]
             assert error["code"] in ERROR_CODES - {"internal"} and error["message"], resp.text
+        if content_type == "application/json" and session_header is None and (path, body) in EXPECTED:
+            status, code = EXPECTED[path, body]
+            assert resp.status_code == status, (path, resp.text[:300])
+            assert code is None or resp.json()["error"]["code"] == code, resp.text[:300]
 
     try:
         fuzz()

@@ -105,6 +105,18 @@ async def test_a_hostile_schema_is_refused_naming_its_limit_before_anything_comp
     assert grammars.cache_size_bytes == cached and grammars.compiling == 0  # nothing compiled
 
 
+async def test_a_schema_nested_exactly_max_schema_depth_compiles_and_one_level_more_is_refused(
+        server: InProcessServer, http: httpx.AsyncClient) -> None:
+    """Issue 47: 32 nested arrays were refused at the default limit of 32, which counted the scalar inside."""
+    depth = server.services.settings.max_schema_depth
+    answered = await http.post("/v1/chat/completions", json=body(nested_arrays(depth)))
+    assert answered.status_code == 200, answered.text
+    assert answered.json()["choices"][0]["message"]["content"].startswith("[")  # decoded under its grammar
+    status, code, message = refusal(await http.post("/v1/chat/completions", json=body(nested_arrays(depth + 1))))
+    assert (status, code) == (400, "bad_request"), message
+    assert f"nested more than {depth} levels deep (max_schema_depth)" in message
+
+
 async def test_a_hostile_schema_as_a_websocket_param_gets_an_error_frame(server: InProcessServer,
                                                                         http: httpx.AsyncClient) -> None:
     async with server.connect() as ws:

@@ -3,8 +3,10 @@
 xgrammar's compile time grows fast with some shapes: arrays nested 256 deep took 0.7 s here, 500 deep
 several seconds, and a 532 KB enum 3.4 s and 137 MB of compiled grammar. These limits refuse such
 shapes before anything compiles, with a message that names the limit:
-- the schema's nesting depth (objects and arrays of the JSON document, counted iteratively, so a schema
-  nested deeper than Python's recursion limit is refused like any other);
+- the schema's nesting depth: how many levels of objects and arrays the JSON document nests below its
+  top-level object, which is level 0, so that a schema of 32 nested arrays (`{"type": "array", "items":
+  ...}` 32 times around `{"type": "integer"}`) is depth 32. Scalars add no level. Counted iteratively,
+  so a schema nested deeper than Python's recursion limit is refused like any other;
 - its size, as compact JSON;
 - the number of `enum` values;
 - `$ref`s: only local ones (`#` or `#/...`, JSON pointers into the same document). xgrammar resolves
@@ -56,10 +58,10 @@ class SchemaLimits:
     def _walk(self, where: str, schema: Any) -> int:
         """Depth and `$ref`s of one schema, without recursion; returns its count of enum values."""
         enums = 0
-        stack: list[tuple[Any, int, int]] = [(schema, 1, SCHEMA)]  # (node, depth, what it is)
+        stack: list[tuple[Any, int, int]] = [(schema, 0, SCHEMA)]  # (node, its level, what it is)
         while stack:
             node, depth, kind = stack.pop()
-            if depth > self.max_depth:
+            if depth > self.max_depth and isinstance(node, (dict, list)):
                 raise SchemaTooComplex(f"{where} is nested more than {self.max_depth} levels deep "
                                        f"(max_schema_depth)")
             if isinstance(node, dict):

@@ -22,6 +22,7 @@ from chatcore.server.errors import ApiError
 from chatcore.server.openai_routes import (
     engine_events,
     finish_reason,
+    refuse_stream_options_without_stream,
     refuse_unimplemented,
     usage,
 )
@@ -109,6 +110,7 @@ def _sse(data: dict[str, Any]) -> str:
 @post("/v1/completions", status_code=200)
 async def completions(data: CompletionRequest, services: Services, principal: Principal) -> Response[Any]:
     refuse_unimplemented(data, UNIMPLEMENTED)
+    refuse_stream_options_without_stream(data.stream, data.stream_options)
     vocab_size = services.engine.vocab_size
     prompt = _prompt(data.prompt, vocab_size)
     # `logprobs: k`: each token's log-prob and its k best alternatives.

@@ -25,7 +25,7 @@ from chatcore.engine.request import SamplingParams
 from chatcore.engine.token_logprobs import TokenTexts, chat_content
 from chatcore.outcomes import ErrorCode, FinishReason
 from chatcore.server.auth import Principal
-from chatcore.server.bodies import ChatCompletionRequest, ChatMessage
+from chatcore.server.bodies import ChatCompletionRequest, ChatMessage, StreamOptions
 from chatcore.server.errors import ApiError
 from chatcore.server.params import compile_response_format, sampling_params, schema_limits
 from chatcore.server.services import Services
@@ -48,6 +48,13 @@ def refuse_unimplemented(data: msgspec.Struct, unimplemented: dict[str, Callable
             raise ApiError(ErrorCode.UNSUPPORTED_PARAMETER,
                            f"{name} is not supported by this server; "
                            f"leave it out (or send {name}: null)")
+
+
+def refuse_stream_options_without_stream(stream: bool, stream_options: StreamOptions | None) -> None:
+    """`stream_options` shapes a stream: on a request that does not stream it would do nothing, so it is
+    refused, as OpenAI refuses it (`null` is taken: it asks for nothing)."""
+    if stream_options is not None and not stream:
+        raise ApiError(ErrorCode.BAD_REQUEST, "stream_options is only allowed when stream is true")
 
 
 def _text(content: str | list[dict[str, Any]] | None) -> str:
@@ -259,6 +266,7 @@ def _tools(services: Services, data: ChatCompletionRequest, messages: list[dict[
 async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletionRequest, services: Services,
                            principal: Principal) -> Response[Any]:
     refuse_unimplemented(data, UNIMPLEMENTED)
+    refuse_stream_options_without_stream(data.stream, data.stream_options)
     messages = parse_messages(data.messages)
     max_tokens = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
     params = sampling_params(data, services.settings, vocab_size=services.engine.vocab_size,

@@ -31,6 +31,7 @@ from chatcore.sessions.frames import TurnFrames
 from chatcore.sessions.leases import LeaseKeeper
 from chatcore.sessions.report import done_frame, timing, usage
 from chatcore.sessions.state import HISTORY_REASONS, SessionState
+from chatcore.sessions.system_prompt import check_room_for_a_turn
 from chatcore.sessions.template import ChatTemplate
 from chatcore.sessions.window import exchanges, view
 from chatcore.store.models import ChatSession, Turn
@@ -84,7 +85,10 @@ class SessionManager:
     async def create(self, tenant_id: str, *, system_prompt: str | None = None,
                      title: str = "", id_hint: str | None = None) -> tuple[SessionState, str]:
         """`id_hint`: nginx's routing key for a new session (X-Chatcore-New-Session), used as
-        its id when well-formed and free, so that the session hashes to this replica."""
+        its id when well-formed and free, so that the session hashes to this replica. `TooLarge`, before
+        anything is stored, for a system prompt that leaves no room for a turn."""
+        if system_prompt:
+            await check_room_for_a_turn(system_prompt, self.template, self.engine, self.tokenize)
         async with self.sessionmaker() as db, db.begin():
             repos = Repos(db)
             if await repos.sessions.count_for_tenant(tenant_id) >= self.settings.max_sessions_per_tenant:
