@@ -2,8 +2,9 @@
 
 Each `schedule()` builds one engine step:
 1. Waiting requests older than `max_queue_wait_s` fail with `busy`: no wait is unbounded.
-2. Running requests, oldest first: every decoding sequence gets one token, then unfinished
-   prefills get chunks from what is left of the token budget. A sequence that needs a block
+2. Running requests, oldest first: every decoding sequence gets one token (but for rows held
+   while their tenant's grammar masks are past its share: chatcore/engine/mask_budget.py), then
+   unfinished prefills get chunks from what is left of the token budget. A sequence that needs a block
    when none is available preempts the youngest running request (its blocks are released;
    hashed full blocks stay findable as cached-free, so recompute is mostly prefix hits). If
    it is itself the youngest, it is preempted.
