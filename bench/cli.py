@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from chatcore.config import Settings
 
-SUITES = ["single", "throughput", "multiturn", "hitrate", "memory", "sharing", "resume", "server", "sessions"]
+SUITES = ["single", "throughput", "multiturn", "hitrate", "memory", "sharing", "resume", "server", "sessions", "grammar"]
 OPTIONS = ("sessions", "turns", "kv_cache_gb", "kv_disk_gb")  # suite parameters (the sessions suite's)
 
 

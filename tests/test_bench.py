@@ -80,7 +80,7 @@ def test_bench_all_quick_tiny(bench_all_quick_tiny: BenchRun) -> None:
     assert data["machine"]["tiny"] and data["machine"]["cpu"] and data["machine"]["torch"]
     suites = data["suites"]
     assert set(suites) == {"single", "throughput", "multiturn", "hitrate", "memory", "sharing", "resume", "server",
-                           "sessions"}
+                           "sessions", "grammar"}
     for name, suite in suites.items():
         assert "error" not in suite, (name, suite.get("error"))
         assert suite["targets"], name

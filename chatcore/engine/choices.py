@@ -7,6 +7,11 @@ host, after the one download, `read` gives each sample its token and log-probs.
 
 Greedy rows without shaping take their token from the step's argmax of the raw logits, as they
 always did, and cost nothing more unless they ask for log-probs.
+
+Nothing here changes a sequence's state until all its device work is queued (`Penalties.record`
+comes last), so when building the choices raises, the engine can build them again for each
+request alone, and fail only the one that raises. `key` keeps such choices' segments of the step's
+one download apart.
 """
 
 from __future__ import annotations
@@ -28,10 +33,12 @@ Draw = Callable[[torch.Tensor, SamplingParams, torch.Generator | None], torch.Te
 class StepChoices:
     def __init__(self, items: list[Item], logits: torch.Tensor, argmax: torch.Tensor, pack: DownloadPack,
                  penalties: Penalties, draw: Draw,
-                 generator: Callable[[Request, TokenSequence], torch.Generator | None]) -> None:
-        """Queue the device work and add its results to `pack` (nothing is read back here)."""
+                 generator: Callable[[Request, TokenSequence], torch.Generator | None], key: str = "") -> None:
+        """Queue the device work and add its results to `pack` under names prefixed by `key` (nothing is
+        read back here)."""
         self.items = items
         self.pack = pack
+        self.key = key
         shaping = [i for i, (req, _, _) in enumerate(items) if req.params.shapes_logits]
         self.shaped_at = {item: j for j, item in enumerate(shaping)}
         shaped = penalties.apply(logits, [items[i] for i in shaping]) if shaping else None
@@ -44,9 +51,9 @@ class StepChoices:
         self.drawn_at = {item: j for j, item in enumerate(drawn)}
         shaped_argmax = greedy(shaped) if shaped is not None else None
         if shaped_argmax is not None:
-            pack.add("shaped", shaped_argmax)
+            pack.add(key + "shaped", shaped_argmax)
         if drawn:
-            pack.add("drawn", torch.stack(list(drawn.values())))
+            pack.add(key + "drawn", torch.stack(list(drawn.values())))
 
         def token(i: int) -> torch.Tensor:
             if i in drawn:
@@ -55,22 +62,27 @@ class StepChoices:
                 return shaped_argmax[self.shaped_at[i]]
             return argmax[items[i][2]]
 
-        for i in shaping:
-            penalties.record(items[i][1], token(i))
         self.wanted = [i for i, (req, _, _) in enumerate(items) if req.params.logprobs]
         self.top = max((items[i][0].params.top_logprobs for i in self.wanted), default=0)
         if self.wanted:
             log_probs = torch.log_softmax(torch.stack([row(i) for i in self.wanted]), dim=-1)
-            chosen = torch.stack([token(i) for i in self.wanted])
-            pack.add("logprob", log_probs.gather(1, chosen.view(-1, 1)))
+            chosen = torch.stack([token(i) for i in self.wanted]).clamp(min=0)  # NO_TOKEN's row fails anyway
+            pack.add(key + "logprob", log_probs.gather(1, chosen.view(-1, 1)))
             if self.top:
                 values, ids = torch.topk(log_probs, self.top, dim=-1)
-                pack.add("top_values", values)
-                pack.add("top_ids", ids)
+                pack.add(key + "top_values", values)
+                pack.add(key + "top_ids", ids)
+        for i in shaping:  # last: the state changes once nothing above can raise
+            penalties.record(items[i][1], token(i))
 
     def read(self, host: list[float]) -> list[tuple[int, TokenLogprob | None]]:
-        """Each item's chosen token id and, if its request asks, its log-probs; in item order."""
-        segment = self.pack.segment
+        """Each item's chosen token id (`NO_TOKEN` where its row held no distribution) and, if its
+        request asks, its log-probs; in item order."""
+        key = self.key
+
+        def segment(host: list[float], name: str) -> list[float]:
+            return self.pack.segment(host, name if name == "argmax" else key + name)
+
         argmax = segment(host, "argmax")
         shaped = segment(host, "shaped") if self.shaped_at else []
         drawn = segment(host, "drawn") if self.drawn_at else []

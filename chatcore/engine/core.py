@@ -30,7 +30,9 @@ from chatcore.engine.penalties import Penalties
 from chatcore.engine.pool_sizing import depth_cost, kv_storage_dtype, pool_size
 from chatcore.engine.request import Request, SamplingParams, TokenSequence
 from chatcore.engine.runner import ModelRunner
-from chatcore.engine.sampler import beam_candidates, greedy, make_generator, sample
+from chatcore.engine.mask_budget import MaskBudget
+from chatcore.engine.row_faults import RowFaults
+from chatcore.engine.sampler import NO_TOKEN, beam_candidates, greedy, make_generator, sample
 from chatcore.engine.scheduler import ScheduledSeq, Scheduler, StepPlan
 from chatcore.engine.transfers import DownloadPack
 from chatcore.kv.tensors import KVTensors
@@ -68,6 +70,7 @@ class EngineCore:
         self._penalties = Penalties(self.vocab_size, loaded.device)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, loaded.stop_token_ids, CompilePolicy(
             settings.grammar_compile_threads, settings.grammar_compile_timeout_s, settings.grammar_cache_mb << 20))
+        self.mask_budget = MaskBudget(settings.grammar_mask_share)
         self.on_step: list[Callable[[StepPlan], None]] = []
         self.steps = 0
         # Why the last step that ran the model failed; None once one succeeds (readiness reads it).
@@ -92,8 +95,8 @@ class EngineCore:
         return cache_salt(self.loaded.fingerprint, self.settings.block_size, dtype, scope_key)
 
     def make_request(self, prompt: list[int], params: SamplingParams, *, request_id: str | None = None,
-                     scope_key: str = "global") -> Request:
-        return Request(request_id or uuid.uuid4().hex, list(prompt), params, salt=self.salt(scope_key))
+                     scope_key: str = "global", tenant: str = "local") -> Request:
+        return Request(request_id or uuid.uuid4().hex, list(prompt), params, salt=self.salt(scope_key), tenant=tenant)
 
     def add(self, req: Request, prefix: SessionPrefix | None = None) -> int | None:
         """Queue a request, its session prefix prepared first (`KVCacheManager.prepare`). Returns None
@@ -158,7 +161,10 @@ class EngineCore:
 
     # ----- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
+        started = time.perf_counter()
+        held = self.mask_budget.hold([*self.scheduler.running, *self.scheduler.waiting], self.grammars.constrained) \
+            if self.grammars.active else frozenset()
+        plan = self.scheduler.schedule(held)
         outputs: dict[str, RequestOutput] = {}
         for req in plan.failed:
             outputs[req.request_id] = self._finish(req)
@@ -169,7 +175,7 @@ class EngineCore:
         entries = plan.decode + plan.prefill
         try:
             logits = self.runner.execute(plan)
-        except Exception as exc:  # a failed step fails its requests, never the engine
+        except Exception as exc:  # a failed forward fails its requests, never the engine
             log.exception("engine step failed")
             self.step_failure = describe_failure(exc)
             if isinstance(exc, torch.AcceleratorError):
@@ -185,16 +191,21 @@ class EngineCore:
             seq.num_computed = entry.start + entry.num_tokens
             assert seq.table is not None
             seq.table.commit(seq.tokens, seq.num_computed, entry.req.salt)
-        rows, groups = self._sampling_rows(entries)
-        self._sample(entries, rows, groups, logits, outputs)
+        faults = RowFaults()
+        rows, groups = self._sampling_rows(entries, faults)
+        mask_ms = self._sample(rows, groups, logits, outputs, faults)
+        self.mask_budget.forward_took(1000 * (time.perf_counter() - started) - mask_ms, decode=not plan.prefill)
+        for req in dict.fromkeys(e.req for e in entries):
+            if not req.finished and not req.live_seqs:
+                outputs[req.request_id] = self._merge(outputs.get(req.request_id), self._finish(req))
         for hook in self.on_step:
             hook(plan)
         if self.settings.debug_audit:
             audit(self.pool).raise_if_bad()
         return list(outputs.values())
 
-    def _sampling_rows(self, entries: list[ScheduledSeq]) -> tuple[dict[TokenSequence, int],
-                                                                   list[list[ScheduledSeq]]]:
+    def _sampling_rows(self, entries: list[ScheduledSeq], faults: RowFaults) -> tuple[dict[TokenSequence, int],
+                                                                                     list[list[ScheduledSeq]]]:
         """The row of the step's logits each sampling sequence reads, and the sampling entries by
         request. A request with n > 1 whose prompt was just computed forks here (`_fork`): its
         other samples join its group and read the first sample's row."""
@@ -207,50 +218,95 @@ class EngineCore:
         for group in by_request.values():
             req = group[0].req
             if req.params.beam_width == 1 and not req.forked:
-                forks = self._fork(req)
+                forks = faults.run(req, "forking its samples", lambda: self._fork(req)) or []
                 rows.update({f.seq: rows[req.seqs[0]] for f in forks})
                 group += forks
-        return rows, list(by_request.values())
+        return rows, [group for group in by_request.values() if group[0].req.error is None]
 
-    def _sample(self, entries: list[ScheduledSeq], rows: dict[TokenSequence, int],
-                groups: list[list[ScheduledSeq]], logits: torch.Tensor, outputs: dict[str, RequestOutput]) -> None:
+    def _sample(self, rows: dict[TokenSequence, int], groups: list[list[ScheduledSeq]], logits: torch.Tensor,
+                outputs: dict[str, RequestOutput], faults: RowFaults) -> float:
         """Choose every sampling row's token on the device (`StepChoices`), then bring all choices,
-        their log-probs and beam search's candidates to the host in the step's one download."""
+        their log-probs and beam search's candidates to the host in the step's one download. A fault
+        of one request's rows fails that request alone (`RowFaults`). Returns the masks' time in ms."""
         now = time.monotonic()
-        plain: list[tuple[Request, TokenSequence, int]] = []
-        beams: list[tuple[Request, list[int]]] = []
-        for group in groups:
-            req = group[0].req
-            if req.params.beam_width > 1:
-                beams.append((req, [rows[e.seq] for e in group]))
-            else:
-                plain.extend((req, entry.seq, rows[entry.seq]) for entry in group)
-        constrained = [(seq, row) for _, seq, row in plain if self.grammars.constrained(seq)]
-        if constrained:  # before anything reads the logits: the grammar's -inf rule them all
-            bitmask = self.runner.transfers.upload_bitmask(self.grammars.masks(constrained, logits.shape[0]))
-            self.grammars.apply(logits, bitmask, sorted({row for _, row in constrained}))
+        plain = [(e.req, e.seq, rows[e.seq]) for group in groups if group[0].req.params.beam_width == 1
+                 for e in group]
+        beams = [(group[0].req, [rows[e.seq] for e in group]) for group in groups
+                 if group[0].req.params.beam_width > 1]
+        mask_ms = self._mask(plain, logits, faults)
+        plain = [item for item in plain if item[0].error is None]
         argmax = greedy(logits)
         pack = DownloadPack()
         pack.add("argmax", argmax)
-        choices = StepChoices(plain, logits, argmax, pack, self._penalties, sample, self._generator)
-        candidates = [beam_candidates(torch.stack([logits[r] for r in beam_rows]), self._beams.search(req).candidates)
-                      for req, beam_rows in beams]
-        for i, (values, ids) in enumerate(candidates):
-            pack.add(f"beam{i}.values", values)
-            pack.add(f"beam{i}.ids", ids)
+        choices = self._choices(plain, logits, argmax, pack, faults)
+        candidates = {req: faults.run(req, "beam search", lambda req=req, beam_rows=beam_rows: beam_candidates(
+            torch.stack([logits[r] for r in beam_rows]), self._beams.search(req).candidates))
+            for req, beam_rows in beams}
+        for i, found in enumerate(candidates.values()):
+            if found is not None:
+                pack.add(f"beam{i}.values", found[0])
+                pack.add(f"beam{i}.ids", found[1])
         host = self.runner.transfers.download(pack.packed())
-        for i, ((req, _), (values, _)) in enumerate(zip(beams, candidates, strict=True)):
-            width = values.shape[1]
-            flat_values, flat_ids = pack.segment(host, f"beam{i}.values"), pack.segment(host, f"beam{i}.ids")
-            self._beams.step(req, [flat_values[j: j + width] for j in range(0, len(flat_values), width)],
-                             [[int(t) for t in flat_ids[j: j + width]] for j in range(0, len(flat_ids), width)])
-            outputs.setdefault(req.request_id, RequestOutput(req.request_id))
-        for (req, seq, _), (token, logprob) in zip(plain, choices.read(host), strict=True):
-            complete = self.grammars.constrained(seq) and self.grammars.accept(seq, token)
-            self._append_token(req, seq, token, now, outputs, logprob, complete)
-        for req in dict.fromkeys(e.req for e in entries):
-            if not req.finished and not req.live_seqs:
-                outputs[req.request_id] = self._merge(outputs.get(req.request_id), self._finish(req))
+        for i, (req, found) in enumerate(candidates.items()):
+            if found is not None:
+                faults.run(req, "beam search", lambda req=req, i=i, width=found[0].shape[1]: self._step_beams(
+                    req, pack.segment(host, f"beam{i}.values"), pack.segment(host, f"beam{i}.ids"), width))
+                outputs.setdefault(req.request_id, RequestOutput(req.request_id))
+        for choice in choices:
+            for (req, seq, _), (token, logprob) in zip(choice.items, choice.read(host), strict=True):
+                if token == NO_TOKEN:
+                    faults.fail(req, "sampling failed: the row's probabilities are not a distribution (a NaN or an "
+                                     "infinity after penalties, logit_bias and temperature)")
+                faults.run(req, "choosing its token", lambda req=req, seq=seq, token=token, logprob=logprob:
+                           self._take(req, seq, token, now, outputs, logprob))
+        return mask_ms
+
+    def _mask(self, plain: list[tuple[Request, TokenSequence, int]], logits: torch.Tensor, faults: RowFaults) -> float:
+        """Fill and apply the grammar masks of the step's constrained rows, before anything reads the logits
+        (the grammar's -inf rule them all), each tenant's fill charged to it; a row without a mask fails its
+        request. Returns the fill's time in ms."""
+        groups: dict[str, list[tuple[object, int]]] = {}
+        for req, seq, row in plain:
+            if self.grammars.constrained(seq):
+                groups.setdefault(req.tenant, []).append((seq, row))
+        if not groups:
+            return 0.0
+        fill = self.grammars.masks(groups, logits.shape[0], torch.get_num_threads())
+        for tenant, pairs in groups.items():
+            self.mask_budget.charge(tenant, fill.took_ms[tenant], [seq for seq, _ in pairs])
+        for req, seq, _ in plain:
+            if seq in fill.failed:
+                faults.fail(req, fill.failed[seq])
+        masked = sorted({row for pairs in groups.values() for seq, row in pairs if seq not in fill.failed})
+        if masked:
+            self.grammars.apply(logits, self.runner.transfers.upload_bitmask(fill.bitmask), masked)
+        return sum(fill.took_ms.values())
+
+    def _choices(self, plain: list[tuple[Request, TokenSequence, int]], logits: torch.Tensor, argmax: torch.Tensor,
+                 pack: DownloadPack, faults: RowFaults) -> list[StepChoices]:
+        """The step's choices in one batch; when building them raises, again for each request alone, so
+        that only the request that raises fails."""
+        try:
+            return [StepChoices(plain, logits, argmax, pack, self._penalties, sample, self._generator)]
+        except Exception:
+            log.warning("the step's choices failed as one batch; making them request by request")
+        by_request: dict[Request, list[tuple[Request, TokenSequence, int]]] = {}
+        for item in plain:
+            by_request.setdefault(item[0], []).append(item)
+        made = [faults.run(req, "sampling", lambda i=i, items=items: StepChoices(
+            items, logits, argmax, pack, self._penalties, sample, self._generator, key=f"r{i}."))
+            for i, (req, items) in enumerate(by_request.items())]
+        return [choice for choice in made if choice is not None]
+
+    def _step_beams(self, req: Request, flat_values: list[float], flat_ids: list[float], width: int) -> None:
+        self._beams.step(req, [flat_values[j: j + width] for j in range(0, len(flat_values), width)],
+                         [[int(t) for t in flat_ids[j: j + width]] for j in range(0, len(flat_ids), width)])
+
+    def _take(self, req: Request, seq: TokenSequence, token: int, now: float, outputs: dict[str, RequestOutput],
+              logprob: TokenLogprob | None) -> None:
+        """A plain sample's chosen token: its grammar advances, then it joins the sequence."""
+        complete = self.grammars.constrained(seq) and self.grammars.accept(seq, token)
+        self._append_token(req, seq, token, now, outputs, logprob, complete)
 
     def _fork(self, req: Request) -> list[ScheduledSeq]:
         """n > 1: after the prompt's first token is due, the other samples fork its table (the
@@ -318,6 +374,7 @@ class EngineCore:
         self._penalties.release(req)
         for seq in req.seqs:
             self.grammars.release(seq)
+            self.mask_budget.release(seq)
         self.requests.pop(req.request_id, None)
         req.finished_at = time.monotonic()
         out = RequestOutput(req.request_id, finished=True, error=req.error, error_code=req.error_code,
@@ -335,10 +392,19 @@ class EngineCore:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
     def _completed(self, req: Request, seq: TokenSequence) -> CompletedSeq:
-        detok = self._detok.get(seq)
-        return CompletedSeq(seq.index, detok.text if detok is not None else "", seq.output_ids,
-                            seq.finish_reason or FinishReason.CANCELLED,
+        return CompletedSeq(seq.index, self._text(req, seq), seq.output_ids, seq.finish_reason or FinishReason.CANCELLED,
                             list(seq.logprobs) if req.params.logprobs else None)
+
+    def _text(self, req: Request, seq: TokenSequence) -> str:
+        """The sequence's text so far. A failed request's detokenizer may be the part that failed: its text
+        is then empty (the deltas already streamed stand), so that its exit path still completes."""
+        detok = self._detok.get(seq)
+        try:
+            return detok.text if detok is not None else ""
+        except Exception:
+            if req.error is None:
+                raise
+            return ""
 
     @staticmethod
     def _timings(req: Request) -> Timings:

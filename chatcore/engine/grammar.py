@@ -6,6 +6,12 @@ Invariants:
   one tensor and applied to the logits on the device before any sampling or penalty;
 - after the step's download, each chosen token advances its sequence's matcher; once the matcher
   has accepted a stop token (the JSON is complete), the sequence ends with `stop`;
+- a step's masks are filled by one batch call per tenant (xgrammar fills them in C++, on the
+  engine's threads), timed for the tenant's account (chatcore/engine/mask_budget.py). A row whose
+  matcher raises, or whose mask allows no token at all, is reported (`MaskFill.failed`) for its
+  request to fail alone; the other rows are masked as usual;
+- no grammar that allows no first token is ever compiled for a request (`GrammarError`): such a
+  schema (say `{"allOf": [{"$ref": "#"}]}`) is refused at once, not after its request is admitted;
 - a matcher lives exactly as long as its sequence (`admit`/`fork`, `release`).
 
 Compiling needs the tokenizer's vocabulary (built once, lazily: about half a second) and each
@@ -34,6 +40,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -41,6 +48,7 @@ from typing import Any, Literal
 import torch
 import xgrammar
 
+from chatcore.engine.errors import describe_failure
 from chatcore.engine.schema_limits import SchemaLimits
 
 COMPILE_NICE = 10  # compile threads' niceness: the engine thread and the event loop come first
@@ -70,6 +78,16 @@ class GrammarBusy(Exception):
     """No compile thread is free for this owner right now: try again in a moment."""
 
 
+@dataclass(slots=True)
+class MaskFill:
+    """A step's masks: the host bitmask [rows, vocab / 32] (rows not filled allow every token), each
+    owner's fill time in ms, and why each failed sequence has no mask."""
+
+    bitmask: torch.Tensor
+    took_ms: dict[str, float]
+    failed: dict[object, str]
+
+
 @dataclass(frozen=True, slots=True)
 class CompilePolicy:
     threads: int = 1  # compiles running at once at most
@@ -87,6 +105,7 @@ class Grammars:
         self._lock = threading.Lock()
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._matchers: dict[object, xgrammar.GrammarMatcher] = {}  # by sequence
+        self._batchers: dict[int, xgrammar.BatchGrammarMatcher] = {}  # by thread count
         # Compiles in flight (event loop only), each with its owner; finished ones leave at once.
         self._running: dict[ResponseFormat, tuple[asyncio.Future[xgrammar.CompiledGrammar], str]] = {}
 
@@ -176,7 +195,15 @@ class Grammars:
             lines = str(exc).strip().splitlines()
             reason = SOURCE_PREFIX.sub("", lines[0]) if lines else type(exc).__name__
             raise GrammarError(f"the JSON schema cannot be used: {reason}") from exc
+        if not self._allows_a_first_token(compiled):
+            raise GrammarError("the JSON schema cannot be used: no output satisfies it (it allows no first token; "
+                               "a schema that refers only to itself, or whose constraints contradict, does this)")
         return compiled
+
+    def _allows_a_first_token(self, compiled: xgrammar.CompiledGrammar) -> bool:
+        bitmask = xgrammar.allocate_token_bitmask(1, self._vocab_size)
+        xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+        return bool(bitmask.any())
 
     # ----- sequences (engine thread) ------------------------------------------------------
     def admit(self, seq: object, fmt: ResponseFormat) -> None:
@@ -194,13 +221,39 @@ class Grammars:
     def constrained(self, seq: object) -> bool:
         return seq in self._matchers
 
-    def masks(self, rows: list[tuple[object, int]], num_rows: int) -> torch.Tensor:
-        """The host bitmask [num_rows, vocab / 32] (int32) for the given (sequence, row) pairs;
-        other rows allow every token."""
+    @property
+    def active(self) -> bool:
+        """Whether any sequence is constrained now."""
+        return bool(self._matchers)
+
+    def masks(self, groups: dict[str, list[tuple[object, int]]], num_rows: int, threads: int) -> MaskFill:
+        """The masks of a step's (sequence, row of logits) pairs, grouped by owner: one batch call an owner,
+        on up to `threads` threads. Where a batch call raises, its rows are filled one by one, so that
+        only the failing ones fail."""
         bitmask = xgrammar.allocate_token_bitmask(num_rows, self._vocab_size)
-        for seq, row in rows:
-            self._matchers[seq].fill_next_token_bitmask(bitmask, row)
-        return bitmask
+        fill = MaskFill(bitmask, {}, {})
+        for owner, rows in groups.items():
+            start = time.perf_counter()
+            try:
+                self._batcher(min(threads, len(rows))).batch_fill_next_token_bitmask(
+                    [self._matchers[seq] for seq, _ in rows], bitmask, [row for _, row in rows])
+            except Exception:  # find the rows that fail; the others are filled
+                for seq, row in rows:
+                    try:
+                        self._matchers[seq].fill_next_token_bitmask(bitmask, row)
+                    except Exception as exc:
+                        fill.failed[seq] = f"the response_format grammar failed: {describe_failure(exc)}"
+            fill.took_ms[owner] = 1000 * (time.perf_counter() - start)
+            for seq, row in rows:
+                if seq not in fill.failed and not bitmask[row].any():
+                    fill.failed[seq] = "the response_format grammar allows no next token: the output cannot be completed"
+        return fill
+
+    def _batcher(self, threads: int) -> xgrammar.BatchGrammarMatcher:
+        batcher = self._batchers.get(threads)
+        if batcher is None:
+            batcher = self._batchers[threads] = xgrammar.BatchGrammarMatcher(max_threads=threads)
+        return batcher
 
     @staticmethod
     def apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

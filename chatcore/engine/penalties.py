@@ -86,10 +86,12 @@ class Penalties:
         return rows + torch.stack([s.bias for s in shaping])
 
     def record(self, seq: TokenSequence, token: torch.Tensor) -> None:
-        """Count a chosen token (a 0-d device tensor) for a sequence that shapes; a device op."""
+        """Count a chosen token (a 0-d device tensor) for a sequence that shapes; a device op. A row
+        that held no distribution drew `sampler.NO_TOKEN` (its request fails once the step downloads
+        it): it counts at id 0, never at an index outside the row."""
         counts = self._counts.get(seq)
         if counts is not None:
-            counts.index_add_(0, token.view(1), self._one)
+            counts.index_add_(0, token.view(1).clamp(min=0), self._one)
 
     def release(self, req: Request) -> None:
         self._requests.pop(req.request_id, None)

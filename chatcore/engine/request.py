@@ -33,6 +33,11 @@ class RequestState(enum.Enum):
 
 
 GREEDY_TEMPERATURE = 1e-5
+# The smallest repetition penalty. A seen token's positive logit is divided by it, and sampling then
+# divides by a temperature of at least GREEDY_TEMPERATURE: at these floors a row is scaled by at most
+# 1e7, so every float32 logit below 3e31 stays finite. A penalty of 1e-300 is 0 in float32 (a division
+# by zero: infinities, then NaN probabilities).
+MIN_REPETITION_PENALTY = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +82,8 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
         if not all(math.isfinite(p) and -2 <= p <= 2 for p in (self.presence_penalty, self.frequency_penalty)):
             raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
-        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2):
-            raise ValueError("repetition_penalty must be in (0, 2]")
+        if not (math.isfinite(self.repetition_penalty) and MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2):
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 2]")
         if any(token < 0 or not (math.isfinite(bias) and -100 <= bias <= 100) for token, bias in self.logit_bias):
             raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS or (self.top_logprobs and not self.logprobs):
@@ -147,6 +152,8 @@ class Request:
     seqs: list[TokenSequence] = field(default_factory=list)
     # The cache salt (model, block size, dtype, scope): set by the engine, per tenant if scoped.
     salt: bytes = b""
+    # Whose request it is: the account its grammar masks are charged to (chatcore/engine/mask_budget.py).
+    tenant: str = "local"
     # Prompt tokens served from the cache at first admission (device), and from the disk tier.
     cached_tokens: int = 0
     cached_disk_tokens: int = 0

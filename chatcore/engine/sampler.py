@@ -49,10 +49,21 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return scaled
 
 
+NO_TOKEN = -1  # what `sample` draws from a row that holds no distribution
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """One token id (a 0-d tensor on the device) from one row of float32 logits."""
+    """One token id (a 0-d tensor on the device) from one row of float32 logits, or `NO_TOKEN` where
+    the row's probabilities are not a distribution (a NaN or an infinity among them, or all zero).
+
+    Such a row never reaches `multinomial` as it is: on the CPU it raises, and on a GPU it may trip
+    a device-side assert, which loses the device for every request. The check stays on the device
+    (no read-back); the engine fails the row's request alone when it downloads `NO_TOKEN`.
+    """
     probs = torch.softmax(filter_logits(logits, params), dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[0]
+    valid = torch.isfinite(probs).all() & (probs.sum() > 0)
+    drawn = torch.multinomial(torch.where(valid, probs, 1.0), 1, generator=generator)[0]
+    return torch.where(valid, drawn, NO_TOKEN)
 
 
 def beam_candidates(logits: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,8 +2,9 @@
 
 Each `schedule()` builds one engine step:
 1. Waiting requests older than `max_queue_wait_s` fail with `busy`: no wait is unbounded.
-2. Running requests, oldest first: every decoding sequence gets one token, then unfinished
-   prefills get chunks from what is left of the token budget. A sequence that needs a block
+2. Running requests, oldest first: every decoding sequence gets one token (but for rows held
+   while their tenant's grammar masks are past its share: chatcore/engine/mask_budget.py), then
+   unfinished prefills get chunks from what is left of the token budget. A sequence that needs a block
    when none is available preempts the youngest running request (its blocks are released;
    hashed full blocks stay findable as cached-free, so recompute is mostly prefix hits). If
    it is itself the youngest, it is preempted.
@@ -151,7 +152,9 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ----- one step ----------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self, held: frozenset[TokenSequence] = frozenset()) -> StepPlan:
+        """The next step. `held`: decode rows to leave out of it (their tenant's grammar masks are over
+        its share: chatcore/engine/mask_budget.py), unless nothing else would run."""
         plan = StepPlan()
         now = time.monotonic()
         for req in [r for r in self.waiting if now - r.waiting_since > self.max_queue_wait_s]:
@@ -162,19 +165,21 @@ class Scheduler:
 
         self._budget = self.max_batch_tokens
         self.running.sort(key=lambda r: r.arrival)
-        self._schedule_running(plan, decode=True)
+        self._schedule_running(plan, decode=True, held=held)
         self._schedule_running(plan, decode=False)
         if not plan.preempted:
             self._admit(plan)
+        if plan.empty and held:  # nobody else to run: the held rows wait for nobody
+            self._schedule_running(plan, decode=True)
         return plan
 
-    def _schedule_running(self, plan: StepPlan, decode: bool) -> None:
+    def _schedule_running(self, plan: StepPlan, decode: bool, held: frozenset[TokenSequence] = frozenset()) -> None:
         index = 0
         while index < len(self.running):
             req = self.running[index]
             entries: list[ScheduledSeq] = []
             for seq in req.live_seqs:
-                if seq.table is None or (seq.to_compute == 1) != decode:
+                if seq.table is None or (seq.to_compute == 1) != decode or seq in held:
                     continue
                 count = min(seq.to_compute, self._budget)
                 if count <= 0:

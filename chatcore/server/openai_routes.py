@@ -191,7 +191,8 @@ async def engine_events(services: Services, principal_tenant: str, prompt_of: Ca
         context = engine.max_context
         if not max_tokens_given and len(prompt) < context:
             params = replace(params, max_tokens=min(params.max_tokens, context - len(prompt)))
-        request = engine.make_request(prompt, params, scope_key=services.sessions.scope_key(principal_tenant))
+        request = engine.make_request(prompt, params, scope_key=services.sessions.scope_key(principal_tenant),
+                                      tenant=principal_tenant)
         try:
             engine.check_fits(request)
         except RequestRejected as exc:

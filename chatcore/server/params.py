@@ -16,7 +16,7 @@ from chatcore.engine.grammar import (
     Grammars,
     parse_response_format,
 )
-from chatcore.engine.request import MAX_TOP_LOGPROBS, SamplingParams
+from chatcore.engine.request import MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY, SamplingParams
 from chatcore.engine.schema_limits import SchemaLimits
 from chatcore.outcomes import ErrorCode
 from chatcore.server.errors import ApiError
@@ -44,7 +44,8 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ignore_eos: Annotated[bool, Meta(description="do not stop at end-of-sequence tokens (an extension)")] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0, description="an extension")] | None = None
+    repetition_penalty: Annotated[float, Meta(ge=MIN_REPETITION_PENALTY, le=2.0, description=(
+        "an extension; below 0.01 a seen token's logit would overflow float32"))] | None = None
     logit_bias: Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS,
                                                  description="token id -> bias in [-100, 100]")] | None = None
     response_format: Annotated[dict[str, Any], Meta(

@@ -96,7 +96,7 @@ class TurnRunner:
         prompt, added = window.prompt, window.added
         if not max_tokens_given and len(prompt) < context:
             params = replace(params, max_tokens=min(params.max_tokens, context - len(prompt)))
-        req = self.engine.make_request(prompt, params, scope_key=state.scope_key)
+        req = self.engine.make_request(prompt, params, scope_key=state.scope_key, tenant=state.tenant_id)
         req.session_id = state.id
         try:
             self.engine.check_fits(req)
