@@ -102,7 +102,11 @@ hostile_formats = st.one_of(
     st.sampled_from(["http://evil.test/s.json", "file:///etc/passwd", "other.json", "#anchor"]).map(
         lambda ref: {"type": "object", "properties": {"a": {"$ref": ref}}}),
     st.integers(1001, 3000).map(lambda n: {"enum": list(range(n))}),
+    # Issue 47: schemas no output satisfies (their grammar allows no first token): refused at compile.
+    st.sampled_from([{"allOf": [{"$ref": "#"}]}, {"anyOf": [{"$ref": "#"}]}, {"allOf": [{"allOf": [{"$ref": "#"}]}]}]),
 ).map(json_schema_format)
+# Issue 47: repetition penalties under 0.01 (1e-300 was 0 in float32: infinite logits, NaN probabilities).
+tiny_penalties = st.floats(min_value=0.0, max_value=0.01, exclude_max=True) | st.just(1e-300)
 # Schemas nested up to max_schema_depth, the limit itself included: they compile and are answered.
 formats_at_the_limit = st.integers(SCHEMA_DEPTH - 2, SCHEMA_DEPTH).map(nested_schema).map(json_schema_format)
 
@@ -144,10 +148,13 @@ def bad_user() -> st.SearchStrategy[str]:
                   | st.text(max_size=4)),
         st.tuples(st.just("n"), st.integers(max_value=0) | st.integers(9) | st.floats() | st.text(max_size=3)),
         st.tuples(st.just("response_format"), hostile_formats),
+        st.tuples(st.just("repetition_penalty"),
+                  tiny_penalties | st.floats(max_value=0.0) | st.floats(2.0, exclude_min=True)),
         st.tuples(st.just("stop"), st.integers() | st.just("") | st.lists(st.text(max_size=3), min_size=5)
                   | st.lists(st.integers(), min_size=1, max_size=3) | st.text(min_size=65, max_size=80)),
         st.tuples(st.text(max_size=12).filter(lambda k: k not in {"max_tokens", "temperature", "top_p", "top_k",
-                                                                  "seed", "n", "stop"}), json_values),
+                                                                  "seed", "n", "stop", "repetition_penalty"}),
+                  json_values),
     ).map(lambda kv: dumps({**base, "id": "p", "params": {"max_tokens": 1, kv[0]: kv[1]}}))
     return st.one_of(
         params,
@@ -388,6 +395,7 @@ http_bodies = st.one_of(
               st.sampled_from([{}, {"stream": False}]), st.sampled_from([VALID_COMPLETION, VALID_PROMPT]))
     .map(lambda t: dumps({**t[2], **t[1], "stream_options": t[0]}).encode()),
     system_prompts_over_the_context.map(lambda v: dumps({"system_prompt": v}).encode()),
+    tiny_penalties.map(lambda p: dumps({**VALID_COMPLETION, "temperature": 1, "repetition_penalty": p}).encode()),
     st.integers(20, 6000).map(lambda n: ('{"messages": [{"role": "user", "content": "hi"}], "n": ' + "9" * n + "}")
                               .encode()),
     surrogates.map(lambda s: ('{"messages": [{"role": "user", "content": "a' + s + '"}], "max_tokens": 1}').encode()),
@@ -410,6 +418,11 @@ EXPECTED: dict[tuple[str, bytes], tuple[int, str | None]] = {
         nested_schema(SCHEMA_DEPTH))}).encode()): (200, None),
     ("/v1/chat/completions", dumps({**VALID_COMPLETION, "response_format": json_schema_format(
         nested_schema(SCHEMA_DEPTH + 1))}).encode()): (400, "bad_request"),
+    # The review's two requests that ended every running turn: refused before they reach the engine.
+    ("/v1/chat/completions", dumps({**VALID_COMPLETION, "temperature": 1, "repetition_penalty": 1e-300}).encode()):
+        (400, "bad_request"),
+    ("/v1/chat/completions", dumps({**VALID_COMPLETION, "response_format": json_schema_format(
+        {"allOf": [{"$ref": "#"}]})}).encode()): (400, "bad_request"),
 }
 
 
