@@ -29,6 +29,7 @@ from chatcore.sessions.disk_tier import DiskTier
 from chatcore.sessions.errors import Busy, Conflict, NotFound, Unauthorized
 from chatcore.sessions.frames import TurnFrames
 from chatcore.sessions.leases import LeaseKeeper
+from chatcore.sessions.quota import StoreQuota, longest_token
 from chatcore.sessions.report import done_frame, timing, usage
 from chatcore.sessions.state import HISTORY_REASONS, SessionState
 from chatcore.sessions.template import ChatTemplate
@@ -58,6 +59,8 @@ class SessionManager:
         self.fingerprint = loaded.fingerprint
         self.template = ChatTemplate(loaded.tokenizer, loaded.stop_token_ids)
         self.token_texts = TokenTexts(loaded.tokenizer)  # log-probs' token texts, for every route
+        self.token_chars = longest_token(loaded.tokenizer)  # the most characters a generated token adds
+        self.quota = StoreQuota(sessionmaker, settings.max_stored_chars_per_tenant)
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatcore-tokenize")
         self.live: dict[str, SessionState] = {}
         self.active_turns: Counter[str] = Counter()
@@ -84,8 +87,10 @@ class SessionManager:
     async def create(self, tenant_id: str, *, system_prompt: str | None = None,
                      title: str = "", id_hint: str | None = None) -> tuple[SessionState, str]:
         """`id_hint`: nginx's routing key for a new session (X-Chatcore-New-Session), used as
-        its id when well-formed and free, so that the session hashes to this replica."""
-        async with self.sessionmaker() as db, db.begin():
+        its id when well-formed and free, so that the session hashes to this replica. The system
+        prompt counts against the tenant's store quota."""
+        async with (self.quota.hold(tenant_id, len(system_prompt or ""), "the system prompt"),
+                    self.sessionmaker() as db, db.begin()):
             repos = Repos(db)
             if await repos.sessions.count_for_tenant(tenant_id) >= self.settings.max_sessions_per_tenant:
                 raise Busy(f"the tenant already has {self.settings.max_sessions_per_tenant} sessions")
