@@ -122,8 +122,9 @@ class Settings(BaseSettings):
     max_concurrent_imports: int = Field(1, ge=1, description="imports tokenizing at once, server-wide, at most (they "
                                         "share the tokenizer thread with every turn); past it: busy")
     max_stored_chars_per_tenant: int = Field(
-        50_000_000, ge=1, description="characters of stored messages per tenant past which an import is refused "
-        "(too_large)")
+        50_000_000, ge=1, description="characters of stored messages (turns, their other answers, system prompts) "
+        "per tenant at most; a write that would pass it (an import, a branch, a session's system prompt, a turn: "
+        "its message plus its answers' worst case) is refused (too_large)")
     max_connections: int = Field(1000, ge=1, description="open connections (HTTP and WebSocket) at most; past it a "
                                  "request or upgrade gets 503")
     header_timeout_s: float = Field(10.0, gt=0, description="a connection whose request headers are not complete "

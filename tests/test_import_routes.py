@@ -135,13 +135,14 @@ def test_import_respects_the_tenant_store_quota(limited):
 
 
 async def test_imports_count_against_the_tenant_turns_and_the_server_import_slots(limited):
-    # Two running turns take the tenant's two slots: an import is busy, like a third turn.
+    # Two running turns take the tenant's two slots: an import is busy, like a third turn. (Each
+    # reserves 250 tokens' worst case of the store quota, about 20,000 characters: both fit.)
     sockets = [await websockets.connect(limited.ws_url) for _ in range(2)]
     try:
         for ws in sockets:
             await hello(ws)
             await ws.send(json.dumps({"type": "user", "id": "long", "content": "Count to a thousand.",
-                                      "params": {"max_tokens": 400, "ignore_eos": True, "temperature": 0}}))
+                                      "params": {"max_tokens": 250, "ignore_eos": True, "temperature": 0}}))
         for ws in sockets:
             await until_tokens(ws, 1)
         status, answer = limited.request("POST", "/v1/sessions/import", {"messages": exchange("a", "b")})

@@ -9,6 +9,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.exc import IntegrityError, StatementError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from chatcore.outcomes import FinishReason
 from chatcore.store.models import ChatSession, KvBlock, SessionChain, Turn
 from chatcore.store.packing import unpack_ids
 from chatcore.store.repos import Repos, TurnStats
@@ -401,3 +402,19 @@ async def test_naive_datetimes_are_rejected(repos: Repos) -> None:  # noqa: F811
     with pytest.raises(StatementError, match="naive datetime"):
         await repos.blocks.touch_blocks(["aa"], datetime(2030, 1, 1))
     assert isinstance(await repos.blocks.get_block("aa"), KvBlock)
+
+
+async def test_the_store_quota_counts_turns_other_answers_and_system_prompts(repos: Repos) -> None:  # noqa: F811
+    owner = await repos.tenants.get_or_create_tenant("quota")
+    row, _ = await repos.sessions.create(owner.id, model_fingerprint="m1", title="a long title", system_prompt="sys")
+    await repos.turns.add_turn(row.id, "user", "hello", [])
+    answer = await repos.turns.add_turn(row.id, "assistant", "", [])
+    await repos.turns.finish_turn(answer.id, content="abc", token_ids=[], finish_reason=FinishReason.STOP)
+    assert await repos.turns.chars_for_tenant(owner.id) == 3 + 5 + 3  # no other answers: nothing (a JSON null)
+    await repos.turns.finish_turn(answer.id, content="abc", token_ids=[], finish_reason=FinishReason.STOP,
+                                  alternatives=["xy", "é"])
+    stored = await repos.turns.chars_for_tenant(owner.id)
+    assert 3 + 5 + 3 + len("xy") + len("é") < stored <= 11 + 6 * 3 + 4 * 2 + 2  # their JSON text, escapes and all
+    other, _ = await _new_session(repos)
+    await repos.turns.add_turn(other.id, "user", "another tenant's", [])
+    assert await repos.turns.chars_for_tenant(owner.id) == stored

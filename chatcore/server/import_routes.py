@@ -10,7 +10,8 @@ finds the history.
 
 What an import may cost is bounded, as a turn's is: its history at most `import_context_multiple`
 contexts in tokens (8 characters a token checked before tokenizing, so an oversized body never
-reaches the tokenizer), the tenant's stored characters at most `max_stored_chars_per_tenant`, and
+reaches the tokenizer), the tenant's stored characters at most `max_stored_chars_per_tenant` (the
+store quota every write passes, chatcore/sessions/quota.py), and
 each import takes a slot of its tenant's `max_turns_per_tenant` and one of the server's
 `max_concurrent_imports` before it awaits the tokenizer thread, which every turn shares."""
 
@@ -65,17 +66,6 @@ def _check_size(services: Services, data: ImportSession) -> None:
                        f"({services.settings.import_context_multiple:g} contexts)")
 
 
-async def _check_quota(services: Services, tenant_id: str, data: ImportSession) -> None:
-    limit = services.settings.max_stored_chars_per_tenant
-    async with services.sessionmaker() as db:
-        stored = await Repos(db).turns.chars_for_tenant(tenant_id)
-    adding = sum(len(m.content) for m in data.messages)
-    if stored + adding > limit:
-        raise ApiError(ErrorCode.TOO_LARGE,
-                       f"the tenant stores {stored} characters of messages and the import adds "
-                       f"{adding}; the limit is {limit} (max_stored_chars_per_tenant)")
-
-
 @contextmanager
 def _slots(services: Services, tenant_id: str) -> Iterator[None]:
     """One of the tenant's turn slots and one of the server's import slots, or `busy`. Taken before the
@@ -103,15 +93,16 @@ async def import_session(data: ImportSession, services: Services, principal: Pri
     system_prompt = data.system_prompt or None
     messages = _messages(data.messages)
     _check_size(services, data)
+    manager = services.sessions
+    adding = sum(len(m["content"]) for m in messages)  # the store quota; the system prompt is `create`'s
     with _slots(services, principal.tenant_id):
-        await _check_quota(services, principal.tenant_id, data)
-        manager = services.sessions
-        state, token = await manager.create(principal.tenant_id, system_prompt=system_prompt, title=title)
-        try:
-            await _fill(services, state, messages)
-        except BaseException:
-            await manager.delete(principal.tenant_id, state.id)  # no half-imported session stays
-            raise
+        async with manager.quota.hold(principal.tenant_id, adding, "the import"):
+            state, token = await manager.create(principal.tenant_id, system_prompt=system_prompt, title=title)
+            try:
+                await _fill(services, state, messages)
+            except BaseException:
+                await manager.delete(principal.tenant_id, state.id)  # no half-imported session stays
+                raise
     return {"id": state.id, "resume_token": token, "title": state.title, "system_prompt": state.system_prompt,
             "turns": len(messages) // 2, "history_tokens": len(state.tokens)}
 

@@ -8,6 +8,9 @@ the branch's next turn finds the original's KV blocks by hash (same tenant scope
 only the new message. Where the stored tokens cannot rebuild that prefix exactly (the original's
 view was truncated, its template re-renders, another model wrote it), the branch re-renders its
 messages instead, and its first turn computes them once.
+
+A branch copies stored text, so it counts against the tenant's store quota
+(chatcore/sessions/quota.py): one that would pass it is refused before anything is created.
 """
 
 from __future__ import annotations
@@ -70,14 +73,16 @@ async def branch(manager: SessionManager, tenant_id: str, session_id: str, keep:
         system_prompt, title = source.system_prompt, f"{source.title} (branch)"[:MAX_TITLE] if source.title else ""
     if tokens is None and keep:
         tokens = await manager.tokenize(lambda: manager.template.render(messages, generation_prompt=False))
-    state, token = await manager.create(tenant_id, system_prompt=system_prompt, title=title)
-    try:
-        async with state.lock:
-            await _fill(manager, state, pairs, tokens or [])
-            state.messages = list(messages)
-    except BaseException:
-        await manager.delete(tenant_id, state.id)  # no half-made branch stays
-        raise
+    copied = sum(len(user.content) + len(assistant.content) for user, assistant in pairs)
+    async with manager.quota.hold(tenant_id, copied, "the branch"):  # the system prompt: `create`'s
+        state, token = await manager.create(tenant_id, system_prompt=system_prompt, title=title)
+        try:
+            async with state.lock:
+                await _fill(manager, state, pairs, tokens or [])
+                state.messages = list(messages)
+        except BaseException:
+            await manager.delete(tenant_id, state.id)  # no half-made branch stays
+            raise
     return state, token
 
 

@@ -29,6 +29,7 @@ from chatcore.sessions.disk_tier import DiskTier
 from chatcore.sessions.errors import Busy, Conflict, NotFound, Unauthorized
 from chatcore.sessions.frames import TurnFrames
 from chatcore.sessions.leases import LeaseKeeper
+from chatcore.sessions.quota import StoreQuota, longest_token
 from chatcore.sessions.report import done_frame, timing, usage
 from chatcore.sessions.state import HISTORY_REASONS, SessionState
 from chatcore.sessions.system_prompt import check_room_for_a_turn
@@ -59,6 +60,8 @@ class SessionManager:
         self.fingerprint = loaded.fingerprint
         self.template = ChatTemplate(loaded.tokenizer, loaded.stop_token_ids)
         self.token_texts = TokenTexts(loaded.tokenizer)  # log-probs' token texts, for every route
+        self.token_chars = longest_token(loaded.tokenizer)  # the most characters a generated token adds
+        self.quota = StoreQuota(sessionmaker, settings.max_stored_chars_per_tenant)
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatcore-tokenize")
         self.live: dict[str, SessionState] = {}
         self.active_turns: Counter[str] = Counter()
@@ -86,10 +89,12 @@ class SessionManager:
                      title: str = "", id_hint: str | None = None) -> tuple[SessionState, str]:
         """`id_hint`: nginx's routing key for a new session (X-Chatcore-New-Session), used as
         its id when well-formed and free, so that the session hashes to this replica. `TooLarge`, before
-        anything is stored, for a system prompt that leaves no room for a turn."""
+        anything is stored, for a system prompt that leaves no room for a turn; the system prompt counts
+        against the tenant's store quota."""
         if system_prompt:
             await check_room_for_a_turn(system_prompt, self.template, self.engine, self.tokenize)
-        async with self.sessionmaker() as db, db.begin():
+        async with (self.quota.hold(tenant_id, len(system_prompt or ""), "the system prompt"),
+                    self.sessionmaker() as db, db.begin()):
             repos = Repos(db)
             if await repos.sessions.count_for_tenant(tenant_id) >= self.settings.max_sessions_per_tenant:
                 raise Busy(f"the tenant already has {self.settings.max_sessions_per_tenant} sessions")

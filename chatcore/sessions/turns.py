@@ -2,6 +2,8 @@
 
 Order of a turn:
 1. The new user turn's tokens are appended to the canonical history (only those tokens).
+   The turn reserves its message and its answers' worst case in the tenant's store quota
+   (chatcore/sessions/quota.py), or is refused before anything is written or generated.
 2. The rows (user turn, assistant turn in flight) and a range of frame numbers are written.
 3. The prefix: the session's pinned chain if hot; else the pool's longest hit, extended by
    blocks read back from the disk tier (verified); the rest is recomputed.
@@ -32,6 +34,7 @@ from chatcore.outcomes import ErrorCode, FinishReason
 from chatcore.sessions.errors import Busy, Conflict, SessionError, TooLarge
 from chatcore.sessions.frames import TurnFrames
 from chatcore.sessions.leases import LeaseLost
+from chatcore.sessions.quota import Reservation, answer_chars
 from chatcore.sessions.report import done_frame
 from chatcore.sessions.state import HISTORY_REASONS, SessionState
 from chatcore.sessions.window import Window, next_prompt
@@ -104,11 +107,20 @@ class TurnRunner:
             raise TooLarge(str(exc)) from exc
         exchange = state.turn_count // 2
         reserve = 3 + params.max_tokens * params.num_sequences
-        async with self.sessions.sessionmaker() as db, db.begin():
-            repos = Repos(db)
-            first = await repos.sessions.reserve_seq(state.id, reserve, touch=True)
-            assistant = await repos.turns.add_exchange(state.id, content, prompt[len(prompt) - added:],
-                                                       client_id=client_id)
+        answers = answer_chars(params.max_tokens, params.num_sequences, self.sessions.token_chars)
+        stored = await self.sessions.quota.reserve(
+            state.tenant_id, len(content) + answers,
+            f"the turn (its message, and {answers} for answers of max_tokens {params.max_tokens} × n "
+            f"{params.num_sequences} at {self.sessions.token_chars} characters a token at most)")
+        try:
+            async with self.sessions.sessionmaker() as db, db.begin():
+                repos = Repos(db)
+                first = await repos.sessions.reserve_seq(state.id, reserve, touch=True)
+                assistant = await repos.turns.add_exchange(state.id, content, prompt[len(prompt) - added:],
+                                                           client_id=client_id)
+        except BaseException:
+            stored.release()
+            raise
         state.next_seq = max(state.next_seq, first)
         state.turn_count += 2
         state.last_active = time.monotonic()
@@ -117,7 +129,7 @@ class TurnRunner:
         state.request_id = req.request_id
         state.cancel_reason = None
         state.running = asyncio.create_task(
-            self._run(state, frames, req, content, window, assistant.id), name=f"turn-{state.id}")
+            self._run(state, frames, req, content, window, assistant.id, stored), name=f"turn-{state.id}")
         return frames
 
     async def _compile(self, params: SamplingParams, tenant_id: str) -> SamplingParams:
@@ -171,10 +183,11 @@ class TurnRunner:
 
     # ----- the turn task ---------------------------------------------------------------------
     async def _run(self, state: SessionState, frames: TurnFrames, req: Request, content: str,
-                   window: Window, assistant_id: int) -> None:
+                   window: Window, assistant_id: int, stored: Reservation) -> None:
+        """`stored`: the turn's store quota, given back once its answer is saved (or is not)."""
         final: RequestOutput | None = None
         error: ErrorCode | None = None
-        try:  # the tenant's slot is given back whatever happens, a cancellation too
+        try:  # the tenant's slot and quota are given back whatever happens, a cancellation too
             try:
                 frames.emit({"type": "start", "truncated_turns": window.window_start})
                 final = await self._serve(state, frames, req, window.use_pin)
@@ -186,6 +199,7 @@ class TurnRunner:
             await self._finish(state, frames, req, content, window, final, error, assistant_id)
         finally:
             self.sessions.active_turns[state.tenant_id] -= 1
+            stored.release()
             state.request_id = None
             state.last_active = time.monotonic()
 

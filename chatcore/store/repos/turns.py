@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from sqlalchemy import func, select, update
+from sqlalchemy import Text, cast, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from chatcore.outcomes import FinishReason
@@ -107,10 +107,15 @@ class TurnRepo:
         return list(await self.db.scalars(select(Turn).where(Turn.session_id == session_id).order_by(Turn.idx)))
 
     async def chars_for_tenant(self, tenant_id: str) -> int:
-        """Characters of every stored message of the tenant's sessions (its store quota's measure)."""
-        query = (select(func.coalesce(func.sum(func.length(Turn.content)), 0))
+        """Characters of every stored message of the tenant's sessions (its store quota's measure,
+        chatcore/sessions/quota.py): each turn's text, its other answers as stored (their JSON list;
+        a JSON null is none), and each session's system prompt."""
+        alternatives = func.length(func.nullif(cast(Turn.alternatives, Text), "null"))
+        turns = (select(func.coalesce(func.sum(func.length(Turn.content) + func.coalesce(alternatives, 0)), 0))
                  .join(ChatSession, ChatSession.id == Turn.session_id).where(ChatSession.tenant_id == tenant_id))
-        return int(await self.db.scalar(query) or 0)
+        prompts = select(func.coalesce(func.sum(func.length(ChatSession.system_prompt)), 0)).where(
+            ChatSession.tenant_id == tenant_id)
+        return int(await self.db.scalar(turns) or 0) + int(await self.db.scalar(prompts) or 0)
 
     async def find_by_client_id(self, session_id: str, client_id: str) -> list[Turn]:
         """The turns of the exchange started by the client's message `client_id`, in order."""
