@@ -187,3 +187,14 @@ async def test_a_system_prompt_counts_against_the_quota(server) -> None:
     status, made = await call(server, "POST", "/v1/sessions", {"system_prompt": "s" * 1_000})
     assert status == 201, made
     assert await stored(server) == QUOTA
+
+
+async def test_room_made_by_a_deletion_is_seen_at_once(server) -> None:
+    """The quota keeps an upper bound of the stored total between reads (chatcore/sessions/quota.py); a write the
+    bound would refuse reads the total again, so a deletion's room is usable at once, not after the bound expires."""
+    big = await imported(server, BIG)
+    assert refused_for_quota(*await call(server, "POST", f"/v1/sessions/{big['id']}/branch", {"turns": 1}))
+    status, _ = await call(server, "DELETE", f"/v1/sessions/{big['id']}")
+    assert status in (200, 204)
+    again = await imported(server, BIG)
+    assert await stored(server) == BIG and again["id"] != big["id"]
