@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import uvicorn
 import websockets
 from litestar import Litestar
@@ -58,3 +59,11 @@ async def serve(settings: Settings, loaded: LoadedModel) -> AsyncIterator[InProc
         server.should_exit = True
         await task
         listener.close()
+
+
+@asynccontextmanager
+async def http_client(server: InProcessServer) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client of the server, once the app has started (its /healthz answered: `services` exists)."""
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=120) as client:
+        assert (await client.get("/healthz")).status_code == 200
+        yield client

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from chatcore.config import Settings
-from tests.inprocess_server import InProcessServer, serve
+from tests.inprocess_server import InProcessServer, http_client, serve
 from tests.reliability_helpers import log_problems, report
 from tests.server_helpers import create_key, hello, recv_until, start_server
 
@@ -76,8 +76,7 @@ async def server(tmp_path_factory, loaded_fp32) -> AsyncIterator[InProcessServer
 @pytest.fixture
 async def http(server: InProcessServer) -> AsyncIterator[httpx.AsyncClient]:
     """A client of the started app; after the test, every compile it started (abandoned ones too) has ended."""
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=120) as client:
-        assert (await client.get("/healthz")).status_code == 200  # the app has started: `services` exists
+    async with http_client(server) as client:
         yield client
     await compiles_ended(server)
 

@@ -14,7 +14,7 @@ import pytest
 
 from chatcore.config import Settings
 from chatcore.sessions.template import ChatTemplate
-from tests.inprocess_server import InProcessServer, serve
+from tests.inprocess_server import InProcessServer, http_client, serve
 from tests.server_helpers import hello, recv_until
 
 pytestmark = pytest.mark.model
@@ -47,8 +47,7 @@ async def server(tmp_path_factory, loaded_fp32) -> AsyncIterator[InProcessServer
 
 @pytest.fixture
 async def http(server: InProcessServer) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=120) as client:
-        assert (await client.get("/healthz")).status_code == 200  # the app has started: `services` exists
+    async with http_client(server) as client:
         yield client
 
 
