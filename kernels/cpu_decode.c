@@ -22,30 +22,38 @@ __attribute__((__simd__("notinbranch"))) float expf(float);
 
 #define LANES 16
 
-/* Eight floats: one AVX2 register, half an AVX-512 one. Loads and stores go through the
-   unaligned variant; head_dim must be a multiple of 8 (kernels/native.py checks). */
+/* Eight floats: one AVX2 register, half an AVX-512 one; head_dim must be a multiple of 8
+   (kernels/native.py checks). Every load and store of a vector or a row element goes through
+   memcpy, which the compiler turns into one unaligned move: torch hands over views at any
+   element offset (a bfloat16 cache may start 2 bytes past a 4-byte boundary), so no pointer
+   here is assumed aligned beyond its element's bytes. */
 typedef float vec __attribute__((vector_size(32)));
-typedef float vec_unaligned __attribute__((vector_size(32), aligned(4)));
 typedef uint32_t wide_bits __attribute__((vector_size(32)));
 #define W 8
 
 enum kind { F32 = 0, BF16 = 1, F16 = 2 };
 
 #ifdef __FLT16_MAX__
-typedef _Float16 f16x8 __attribute__((vector_size(16), aligned(2)));
+typedef _Float16 f16x8 __attribute__((vector_size(16)));
 int chatcore_has_f16(void) { return 1; }
 #else
 int chatcore_has_f16(void) { return 0; }
 #endif
 
-static inline vec load(const float *p) { return *(const vec_unaligned *)p; }
-static inline void store(float *p, vec v) { *(vec_unaligned *)p = v; }
+static inline vec load(const float *p) {
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
 /* Eight float16 elements from p, widened to float. Without _Float16 no float16 call gets here
    (chatcore_paged_decode returns -3 first). */
 static inline vec load_f16(const char *p) {
 #ifdef __FLT16_MAX__
-    return __builtin_convertvector(*(const f16x8 *)p, vec);
+    f16x8 h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, vec);
 #else
     (void)p;
     return (vec){0};
@@ -171,15 +179,19 @@ static inline void accumulate(float *restrict a, const float *restrict p, const 
 
 /* bfloat16 rows are read in place as 32-bit words, each holding two neighbours: the even
    element as a float is the word shifted up 16 bits, the odd one the word with its low half
-   cleared. The query is split into its even and odd elements once per task (qe, qo), and the
+   cleared. Rows are addressed in bfloat16 elements (a word may start at any even byte) and
+   eight words are copied out at once (one unaligned 32-byte load). The query is split into its even and odd elements once per task (qe, qo), and the
    value sums are kept the same way (ae, ao), so no row is ever widened into memory. Requires
    head_dim % 16 == 0 (eight words a vector; kernels/native.py checks). */
-typedef uint32_t words_unaligned __attribute__((vector_size(32), aligned(4)));
 static inline vec even_of(wide_bits w) { return (vec)(w << 16); }
 static inline vec odd_of(wide_bits w) { return (vec)(w & 0xffff0000u); }
-static inline wide_bits load_words(const uint32_t *p) { return *(const words_unaligned *)p; }
+static inline wide_bits load_words(const uint16_t *p) {
+    wide_bits w;
+    memcpy(&w, p, sizeof w);
+    return w;
+}
 
-static inline float score_rows_bf16(const float *restrict qe, const float *restrict qo, const uint32_t *restrict k,
+static inline float score_rows_bf16(const float *restrict qe, const float *restrict qo, const uint16_t *restrict k,
                                     int64_t n, int64_t stride, int64_t words, float scale, float *restrict scores,
                                     float top) {
     int64_t t = 0;
@@ -189,7 +201,7 @@ static inline float score_rows_bf16(const float *restrict qe, const float *restr
         for (int64_t c = 0; c < words; c += W) {
             const vec e = load(qe + c), o = load(qo + c);
             for (int j = 0; j < W; ++j) {
-                const wide_bits w = load_words(k + (t + j) * stride + c);
+                const wide_bits w = load_words(k + (t + j) * stride + 2 * c);
                 s[j] += e * even_of(w);
                 s[j] += o * odd_of(w);
             }
@@ -200,7 +212,7 @@ static inline float score_rows_bf16(const float *restrict qe, const float *restr
     for (; t < n; ++t) {
         vec s = {0};
         for (int64_t c = 0; c < words; c += W) {
-            const wide_bits w = load_words(k + t * stride + c);
+            const wide_bits w = load_words(k + t * stride + 2 * c);
             s += load(qe + c) * even_of(w);
             s += load(qo + c) * odd_of(w);
         }
@@ -212,14 +224,14 @@ static inline float score_rows_bf16(const float *restrict qe, const float *restr
 }
 
 static inline void accumulate_bf16(float *restrict ae, float *restrict ao, const float *restrict p,
-                                   const uint32_t *restrict v, int64_t n, int64_t stride, int64_t words) {
+                                   const uint16_t *restrict v, int64_t n, int64_t stride, int64_t words) {
     for (int64_t c0 = 0; c0 < words; c0 += 8 * W) {
         const int64_t width = words - c0 < 8 * W ? words - c0 : 8 * W;
         vec e[8], o[8];
         for (int64_t c = 0; c < width; c += W) e[c / W] = load(ae + c0 + c), o[c / W] = load(ao + c0 + c);
         for (int64_t t = 0; t < n; ++t)
             for (int64_t c = 0; c < width; c += W) {
-                const wide_bits w = load_words(v + t * stride + c0 + c);
+                const wide_bits w = load_words(v + t * stride + 2 * (c0 + c));
                 e[c / W] += p[t] * even_of(w);
                 o[c / W] += p[t] * odd_of(w);
             }
@@ -278,10 +290,10 @@ static inline __attribute__((always_inline)) void attend(
         prefetch_block(key_cache, table, b, len, block_size, num_blocks, row_bytes, offset * size, floats * size);
         const int64_t first = b * block_size, n = len - first < block_size ? len - first : block_size;
         if (kind == BF16) {
-            const uint32_t *k = (const uint32_t *)key_cache + ((size_t)table[b] * block_size * token_stride + offset) / 2;
+            const uint16_t *k = (const uint16_t *)key_cache + (size_t)table[b] * block_size * token_stride + offset;
             for (int64_t r = 0; r < rows; ++r)
                 denominators[r] = score_rows_bf16(wide + r * head_dim, wide + r * head_dim + half,
-                                                  k + (r / group) * half, n, token_stride / 2, half, scale,
+                                                  k + (r / group) * head_dim, n, token_stride, half, scale,
                                                   scores + r * len + first, denominators[r]);
             continue;
         }
@@ -312,10 +324,10 @@ static inline __attribute__((always_inline)) void attend(
         prefetch_block(value_cache, table, b, len, block_size, num_blocks, row_bytes, offset * size, floats * size);
         const int64_t first = b * block_size, n = len - first < block_size ? len - first : block_size;
         if (kind == BF16) {
-            const uint32_t *v = (const uint32_t *)value_cache + ((size_t)table[b] * block_size * token_stride + offset) / 2;
+            const uint16_t *v = (const uint16_t *)value_cache + (size_t)table[b] * block_size * token_stride + offset;
             for (int64_t r = 0; r < rows; ++r)
                 accumulate_bf16(acc + r * head_dim, acc + r * head_dim + half, scores + r * len + first,
-                                v + (r / group) * half, n, token_stride / 2, half);
+                                v + (r / group) * head_dim, n, token_stride, half);
             continue;
         }
         int64_t stride;

@@ -27,6 +27,7 @@ from chatcore.kernels import native
 PROFILER_NAME = "kernels::linear_bf16_c"  # how a call shows in torch.profiler (bench/step_ops.py)
 MAX_ROWS = 4
 COLUMNS = 32  # the columns one `vdpbf16ps` takes: a weight's input size must be a multiple
+_BF16 = torch.bfloat16
 _ARGTYPES = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
              ctypes.c_int64, ctypes.c_int64, ctypes.c_int)
 
@@ -53,10 +54,11 @@ def available() -> bool:
 
 def lay_out(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` ([out, in], bfloat16, on the CPU) in the kernel's layout, padded with zero rows to
-    whole groups; None when the kernel cannot take it (not available, or `in` not a multiple of 32)."""
+    whole groups; None when the kernel cannot take it (not available, or `in` not a positive multiple of 32)."""
     kernel = _kernel()
     out_features, in_features = weight.shape
-    if kernel is None or in_features % COLUMNS or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+    if (kernel is None or in_features % COLUMNS or not in_features or weight.dtype != torch.bfloat16
+            or weight.device.type != "cpu"):
         return None
     rows = kernel[1]
     groups = -(-out_features // rows)
@@ -68,24 +70,53 @@ def lay_out(weight: torch.Tensor) -> torch.Tensor | None:
 def linear(x: torch.Tensor, laid_out: torch.Tensor, out_features: int, bias: torch.Tensor | None,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for bfloat16 `x` of at most `MAX_ROWS` rows, `laid_out` from `lay_out(weight)`;
-    with `residual` (bfloat16, the output's shape), `residual + F.linear(...)`, each rounded as torch rounds."""
-    kernel = _kernel()
-    in_features = laid_out.shape[1] * COLUMNS
-    if kernel is None or x.shape[-1] != in_features or x.dtype != torch.bfloat16:
-        raise ValueError(f"the C linear takes bfloat16 rows of {in_features} features, not {tuple(x.shape)} {x.dtype}")
+    with `residual` (bfloat16, the output's shape), `residual + F.linear(...)`, each rounded as torch rounds.
+
+    Raises ValueError for what the C trusts and these do not give (checked from metadata alone,
+    before anything runs): a `laid_out` not in `lay_out`'s layout, an `out_features` its groups do
+    not hold, a `bias` not [out_features], `x` rows not bfloat16 of the weight's input size, more
+    than `MAX_ROWS` rows, a `residual` not of the output's shape; all on the CPU, the bias and the
+    residual at even addresses (read as uint16_t; `x` and the weight with unaligned vector loads).
+    RuntimeError where the kernel is not available."""
+    weight_shape = laid_out.shape
+    if (len(weight_shape) != 4 or weight_shape[3] != COLUMNS or not weight_shape[1] or laid_out.dtype is not _BF16
+            or not laid_out.is_cpu or not laid_out.is_contiguous()):
+        raise ValueError(f"laid_out must be lay_out's contiguous bfloat16 [groups, in / {COLUMNS}, rows, {COLUMNS}] "
+                         f"on the CPU, not {laid_out.dtype} {tuple(weight_shape)} on {laid_out.device}")
+    groups, steps, group_rows, _ = weight_shape
+    if not (groups - 1) * group_rows < out_features <= groups * group_rows:
+        raise ValueError(f"out_features {out_features} does not match the laid-out weight's {groups} groups of "
+                         f"{group_rows} rows")
+    in_features, x_shape = steps * COLUMNS, x.shape
+    if not x_shape or x_shape[-1] != in_features or x.dtype is not _BF16 or not x.is_cpu:
+        raise ValueError(f"the C linear takes bfloat16 rows of {in_features} features on the CPU, not "
+                         f"{tuple(x_shape)} {x.dtype} on {x.device}")
     rows = x.numel() // in_features
     if rows > MAX_ROWS:
         raise ValueError(f"the C linear takes at most {MAX_ROWS} rows, not {rows}")
-    x = x.contiguous()
-    bias = None if bias is None else bias.detach().to(torch.bfloat16).contiguous()
-    out = torch.empty(*x.shape[:-1], out_features, dtype=torch.bfloat16)
+    if bias is not None and (bias.shape != (out_features,) or not bias.is_cpu):
+        raise ValueError(f"the bias must be [{out_features}] on the CPU, not {tuple(bias.shape)} on {bias.device}")
+    out_shape = (*x_shape[:-1], out_features)
+    if residual is not None and (residual.shape != out_shape or residual.dtype is not _BF16 or not residual.is_cpu):
+        raise ValueError(f"the residual must be bfloat16 {out_shape} on the CPU, not {residual.dtype} "
+                         f"{tuple(residual.shape)} on {residual.device}")
+    bias_at = residual_at = 0  # NULL: none
+    if bias is not None:
+        bias = bias.detach().to(_BF16).contiguous()
+        bias_at = bias.data_ptr()
     if residual is not None:
-        if residual.shape != out.shape or residual.dtype != torch.bfloat16 or residual.device.type != "cpu":
-            raise ValueError(f"the residual must be bfloat16 {tuple(out.shape)}, not {residual.dtype} "
-                             f"{tuple(residual.shape)}")
         residual = residual.contiguous()
+        residual_at = residual.data_ptr()
+    if (bias_at | residual_at) & 1:
+        raise ValueError("the bias and the residual must start at 2-byte boundaries (the C reads uint16_t)")
+    kernel = _kernel()
+    if kernel is None:
+        raise RuntimeError("the C few-row linear is not available here (it needs AVX512-BF16)")
+    if group_rows != kernel[1]:
+        raise ValueError(f"laid_out has groups of {group_rows} rows, the C linear reads groups of {kernel[1]}")
+    x = x.contiguous()
+    out = torch.empty(out_shape, dtype=_BF16)
     with native.traced(PROFILER_NAME):
-        kernel[0](x.data_ptr(), laid_out.data_ptr(), None if bias is None else bias.data_ptr(),
-                  None if residual is None else residual.data_ptr(), out.data_ptr(), rows, out_features, in_features,
-                  torch.get_num_threads())
+        kernel[0](x.data_ptr(), laid_out.data_ptr(), bias_at or None, residual_at or None, out.data_ptr(), rows,
+                  out_features, in_features, torch.get_num_threads())
     return out

@@ -1,5 +1,5 @@
 /* The KV store on the CPU: each new token's key and value rows copied into their cache slots
-   (kernels/native.py's `store_kv`, for caches of the rows' own dtype). */
+   (kernels/cpu_store.py's `store_kv`, which checks every argument first, for caches of the rows' own dtype). */
 
 #include <stdint.h>
 #include <string.h>

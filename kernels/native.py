@@ -54,6 +54,7 @@ _ARGTYPES = (
     ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int,
 )
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_INDEX_DTYPE, _INDEX_BYTES = torch.int32, 4  # cpu_decode.c reads block tables and context lengths as int32_t
 
 
 def _cache_dir() -> Path:
@@ -199,45 +200,91 @@ def available() -> bool:
     return _decode() is not None
 
 
+def _layout(decode: tuple[Callable[..., int], frozenset[torch.dtype]], query: torch.Tensor, key_cache: torch.Tensor,
+            value_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[int, ...] | str:
+    """The C decode's arguments these tensors give (seqs, heads, kv_heads, head_dim, block_size,
+    blocks, the table's width and row stride, the table's and the lengths' addresses, the query's
+    and the caches' kinds), or why it cannot take them.
+
+    What the C trusts: CPU tensors; query [seqs, heads, head_dim] and the caches [blocks,
+    block_size, kv_heads, head_dim], all contiguous, in dtypes this build reads (both caches one),
+    heads a multiple of kv_heads and head_dim a multiple of 8 (16 for bfloat16 caches, read two
+    elements a word); int32 block tables [seqs, width] with contiguous rows and int32 context
+    lengths [seqs], contiguous, both at 4-byte boundaries (read as int32_t; query and caches are
+    read with memcpy, at any address). Metadata only: nothing is read, no device synchronised, a
+    few attribute reads (1-2 us a call on the 2-core Xeon, 2026-12-06)."""
+    query_shape, cache_shape, table_shape, lens_shape = query.shape, key_cache.shape, block_tables.shape, \
+        context_lens.shape
+    if not (query.is_cpu and key_cache.is_cpu and value_cache.is_cpu and block_tables.is_cpu and context_lens.is_cpu):
+        return "the C decode attention takes CPU tensors only"
+    query_dtype, cache_dtype = query.dtype, key_cache.dtype
+    if query_dtype not in decode[1] or cache_dtype not in decode[1] or value_cache.dtype is not cache_dtype:
+        return (f"the C decode attention reads {sorted(map(str, decode[1]))}, both caches of one: query {query_dtype}, "
+                f"caches {cache_dtype} and {value_cache.dtype}")
+    if block_tables.dtype is not _INDEX_DTYPE or context_lens.dtype is not _INDEX_DTYPE:
+        return f"block_tables and context_lens must be int32, not {block_tables.dtype} and {context_lens.dtype}"
+    if len(query_shape) != 3 or len(cache_shape) != 4 or value_cache.shape != cache_shape:
+        return (f"query must be [seqs, heads, head_dim] and both caches [blocks, block_size, kv_heads, head_dim]: "
+                f"{tuple(query_shape)}, {tuple(cache_shape)} and {tuple(value_cache.shape)}")
+    seqs, heads, head_dim = query_shape
+    blocks, block_size, kv_heads, cache_head_dim = cache_shape
+    if (head_dim != cache_head_dim or not kv_heads or heads % kv_heads or not block_size or not head_dim
+            or head_dim % (16 if cache_dtype is torch.bfloat16 else 8)):
+        return (f"the C decode attention takes query heads in whole groups per kv head, blocks of at least one token "
+                f"and a head_dim shared by query and caches, a multiple of 8 (16 for bfloat16 caches): query "
+                f"{tuple(query_shape)}, caches {tuple(cache_shape)}")
+    if len(table_shape) != 2 or table_shape[0] != seqs or len(lens_shape) != 1 or lens_shape[0] != seqs:
+        return (f"block_tables must be [{seqs}, width] and context_lens [{seqs}], not {tuple(table_shape)} and "
+                f"{tuple(lens_shape)}")
+    table_strides = block_tables.stride()
+    if not (query.is_contiguous() and key_cache.is_contiguous() and value_cache.is_contiguous()
+            and context_lens.is_contiguous() and table_strides[1] == 1):
+        return "the C decode attention takes contiguous query, caches and context_lens, and table rows"
+    table, lens = block_tables.data_ptr(), context_lens.data_ptr()
+    if (table | lens) % _INDEX_BYTES:
+        return "block_tables and context_lens must start at 4-byte boundaries (the C reads int32_t)"
+    return (seqs, heads, kv_heads, head_dim, block_size, blocks, table_shape[1], table_strides[0], table, lens,
+            _KINDS[query_dtype], _KINDS[cache_dtype])
+
+
 def accepts(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
             context_lens: torch.Tensor) -> bool:
-    """Whether these (already validated) arguments can take the C path: CPU tensors of dtypes it
-    reads, in the layouts it indexes, and no autograd graph to record. Builds the library on the
-    first call."""
+    """Whether the C path takes these arguments (and no autograd graph would be lost). Builds the
+    library on the first call."""
     decode = _decode()
-    return (decode is not None and query.device.type == "cpu" and query.dtype in decode[1]
-            and key_cache.dtype in decode[1]
-            and not (torch.is_grad_enabled() and query.requires_grad)
-            and query.is_contiguous() and key_cache.is_contiguous() and value_cache.is_contiguous()
-            and query.shape[-1] % (16 if key_cache.dtype == torch.bfloat16 else 8) == 0
-            and block_tables.stride(-1) == 1 and context_lens.is_contiguous())
+    return (decode is not None and not (torch.is_grad_enabled() and query.requires_grad)
+            and not isinstance(_layout(decode, query, key_cache, value_cache, block_tables, context_lens), str))
 
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            max_context: int | None = None) -> torch.Tensor:
-    """`kernels.reference.paged_decode_attention`'s contract, for arguments `accepts` took.
+    """`kernels.reference.paged_decode_attention`'s contract, for arguments the C path takes.
     `max_context`, when the caller knows it, bounds every context length (read from `context_lens`
     otherwise).
 
-    Raises ValueError when a context is longer than its table row holds, or than `max_context`,
-    or needs a block id outside the pool (nothing is read or written out of bounds)."""
+    Raises ValueError for arguments the C path does not take (`_layout` says why; `dispatch.route`
+    calls this for every layer of a step after checking only the first), and when a context is
+    longer than its table row holds, or than `max_context`, or needs a block id outside the pool
+    (nothing is read or written out of bounds)."""
     decode = _decode()
     if decode is None:
         raise RuntimeError("the C decode attention is not available")
-    num_seqs, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    layout = _layout(decode, query, key_cache, value_cache, block_tables, context_lens)
+    if isinstance(layout, str):
+        raise ValueError(layout)
+    (num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, width, table_stride, table, lens, query_kind,
+     cache_kind) = layout
     if max_context is None:
         max_context = int(context_lens.max()) if num_seqs else 0
-    if max_context > block_tables.shape[1] * block_size:
+    if max_context > width * block_size:
         raise ValueError("a context is longer than its block table holds")
     out = torch.empty_like(query)
     with traced(PROFILER_NAME):
         status = decode[0](
-            query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
-            block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads,
-            head_dim, block_size, num_blocks, max_context, scale, _KINDS[query.dtype], _KINDS[key_cache.dtype],
-            torch.get_num_threads())
+            query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), table, table_stride, lens, out.data_ptr(),
+            num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, max_context, scale,
+            query_kind, cache_kind, torch.get_num_threads())
     if status == -2:
         raise ValueError("a block table entry within a context is outside the cache")
     if status == -4:

@@ -264,3 +264,122 @@ def test_a_steps_route_takes_the_c_kernels_directly_where_they_apply(monkeypatch
         kernels.AttentionRoute(cpu_store.store_kv, kernels.paged_decode_attention)
     with pytest.raises(ValueError, match="slot_mapping"):  # the first layer's arguments are checked
         kernels.route(query, key, value, key_cache, value_cache, slots.int(), table, lens, 40)
+
+
+def _shifted(values: torch.Tensor) -> torch.Tensor:
+    """`values` in a view one element past a buffer's start: for a half-precision tensor, 2 bytes
+    past a 4-byte boundary (torch allocates at 64), so a 32-bit word of it straddles two."""
+    buffer = torch.empty(values.numel() + 1, dtype=values.dtype)
+    shifted = buffer[1:].view(values.shape).copy_(values)
+    assert shifted.is_contiguous() and shifted.data_ptr() % 4 == 2
+    return shifted
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_caches_and_queries_at_a_2_byte_offset_are_read_correctly(dtype):
+    """bfloat16 rows are read two elements a 32-bit word: from a view at a 2-byte offset (kernels/
+    cpu_decode.c once loaded such words as aligned, which UBSan reports) the output is the
+    aligned tensors' output, bit for bit, and the torch reference's."""
+    case = make_case([1, 16, 40, 100], num_kv_heads=3, group=3, head_dim=64, block_size=16, dtype=dtype, seed=3)
+    query, key_cache, value_cache, table, lens = case
+    if not native.accepts(*case):
+        assert dtype == torch.float16  # a compiler without _Float16
+        return
+    shifted = (_shifted(query), _shifted(key_cache), _shifted(value_cache), table, lens)
+    assert native.accepts(*shifted)
+    got = native.paged_decode_attention(*shifted, 0.125)
+    assert torch.equal(got, native.paged_decode_attention(*case, 0.125))
+    torch.testing.assert_close(got.float(), dense_attention(*case, 0.125), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got, reference.paged_decode_attention(*case, 0.125), atol=1e-2, rtol=1e-2)
+
+
+def _at_offset(values: torch.Tensor, offset: int) -> torch.Tensor:
+    """`values` copied to a buffer `offset` bytes past an aligned start (as torch.frombuffer may give)."""
+    size = values.element_size()
+    moved = torch.frombuffer(bytearray(values.numel() * size + offset), dtype=values.dtype, offset=offset,
+                             count=values.numel()).view(values.shape)
+    return moved.copy_(values)
+
+
+def _wrong_decode(case: str) -> tuple[torch.Tensor, ...]:
+    """A bfloat16 decode of two sequences (6 query heads over 2 kv heads of 16) with the one thing named wrong."""
+    query, key_cache, value_cache, table, lens = make_case([5, 40], num_kv_heads=2, group=3, head_dim=16,
+                                                           block_size=8, dtype=torch.bfloat16)
+    if case == "int64 block tables":  # read as int32: halves of ids
+        table = table.long()
+    elif case == "int64 context lengths":
+        lens = lens.long()
+    elif case == "float64 query":
+        query = query.double()
+    elif case == "a float32 value cache":
+        value_cache = value_cache.float()
+    elif case == "a value cache of another shape":
+        value_cache = value_cache[:-1]
+    elif case == "a head_dim the caches do not have":
+        query = torch.randn(2, 6, 32).bfloat16()
+    elif case == "heads not a multiple of kv heads":
+        query = query[:, :5].contiguous()
+    elif case == "a bfloat16 head_dim not a multiple of 16":
+        query, key_cache, value_cache = query[..., :8].contiguous(), key_cache[..., :8].contiguous(), \
+            value_cache[..., :8].contiguous()
+    elif case == "a table for one sequence of two":
+        table = table[:1]
+    elif case == "three context lengths for two":
+        lens = torch.tensor([5, 40, 1], dtype=torch.int32)
+    elif case == "a 1-d table":
+        table = table[0]
+    elif case == "a strided query":
+        query = query.transpose(0, 1).contiguous().transpose(0, 1)
+    elif case == "a strided cache":
+        key_cache = key_cache.transpose(1, 2).contiguous().transpose(1, 2)
+    elif case == "strided context lengths":
+        lens = torch.tensor([5, 0, 40, 0], dtype=torch.int32)[::2]
+    elif case == "table rows with a column stride":
+        table = table.t().contiguous().t()
+    elif case == "a table at a 2-byte offset":
+        table = _at_offset(table, 2)
+    elif case == "context lengths at a 2-byte offset":
+        lens = _at_offset(lens, 2)
+    elif case == "blocks of no tokens":
+        key_cache, value_cache = key_cache[:, :0], value_cache[:, :0]
+    elif case == "caches off the CPU":
+        key_cache = torch.empty(key_cache.shape, dtype=key_cache.dtype, device="meta")
+    return query, key_cache, value_cache, table, lens
+
+
+WRONG_DECODE = {
+    "int64 block tables": "int32", "int64 context lengths": "int32", "float64 query": "reads",
+    "a float32 value cache": "reads", "a value cache of another shape": "both caches",
+    "a head_dim the caches do not have": "head_dim shared", "heads not a multiple of kv heads": "whole groups",
+    "a bfloat16 head_dim not a multiple of 16": "16 for bfloat16", "a table for one sequence of two": r"\[2, width\]",
+    "three context lengths for two": r"context_lens \[2\]", "a 1-d table": r"\[2, width\]",
+    "a strided query": "contiguous", "a strided cache": "contiguous", "strided context lengths": "contiguous",
+    "table rows with a column stride": "table rows", "a table at a 2-byte offset": "4-byte boundaries",
+    "context lengths at a 2-byte offset": "4-byte boundaries", "blocks of no tokens": "at least one token",
+    "caches off the CPU": "CPU"}
+
+
+@pytest.mark.parametrize("case", WRONG_DECODE)
+def test_what_the_c_decode_cannot_take_is_refused(case):
+    """Refused by `native.paged_decode_attention` itself (a step's route calls it directly for every
+    layer), and declined by `accepts`, so the checked entry point gives it to the reference."""
+    args = _wrong_decode(case)
+    assert not native.accepts(*args)
+    with pytest.raises(ValueError, match=WRONG_DECODE[case]):
+        native.paged_decode_attention(*args, 0.25, 40)
+
+
+def test_a_later_layer_of_a_routed_step_is_checked_too(monkeypatch):
+    """`dispatch.route` checks a step's first layer only; the decode it hands back still refuses a
+    later layer's arguments the C cannot take."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    query, key_cache, value_cache, table, lens = make_case([5, 40], num_kv_heads=2, group=2, head_dim=16,
+                                                           block_size=8, dtype=torch.bfloat16)
+    key = torch.randn(2, 2, 16).bfloat16()
+    slots = torch.tensor([int(table[0, 0]) * 8 + 4, int(table[1, 4]) * 8 + 7])
+    route = kernels.route(query, key, key, key_cache, value_cache, slots, table, lens, 40)
+    assert route.decode is not kernels.paged_decode_attention  # the C decode, called directly
+    with pytest.raises(ValueError, match="head_dim shared"):
+        route.decode(torch.randn(2, 4, 32).bfloat16(), key_cache, value_cache, table, lens, 0.25)
+    with pytest.raises(ValueError, match="int32"):
+        route.decode(query, key_cache, value_cache, table.long(), lens, 0.25)
