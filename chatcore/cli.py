@@ -49,6 +49,24 @@ def _chat(args: argparse.Namespace, settings: Settings) -> int:
                                     params=params, data_dir=settings.data_dir))
 
 
+def _model_list(args: argparse.Namespace, settings: Settings) -> int:
+    from chatcore.models.cache_commands import list_command
+
+    return list_command(settings.cache_dir, settings.model)
+
+
+def _model_rm(args: argparse.Namespace, settings: Settings) -> int:
+    from chatcore.models.cache_commands import rm_command
+
+    return rm_command(settings.cache_dir, args.name)
+
+
+def _model_pull(args: argparse.Namespace, settings: Settings) -> int:
+    from chatcore.models.cache_commands import pull_command
+
+    return pull_command(settings.cache_dir, args.source)
+
+
 def _generate(args: argparse.Namespace, settings: Settings) -> int:
     from chatcore.engine.generate_cli import run_generate
 
@@ -162,6 +180,15 @@ def _add_model(sub: Subparsers) -> None:
     model_sub = model.add_subparsers(dest="model_command", required=True)
     _command(model_sub, "fetch", "install and convert the default model (idempotent)").set_defaults(
         handler=_model_fetch)
+    _command(model_sub, "list", "the models in the cache folder: name, architecture, parameters, weights, size on "
+             "disk, and the default (the one the model setting names)", ("model",)).set_defaults(handler=_model_list)
+    rm = _command(model_sub, "rm", "remove a model from the cache folder (refused while a process uses it)")
+    rm.add_argument("name", help="a NAME from `chatcore model list`")
+    rm.set_defaults(handler=_model_rm)
+    pull = _command(model_sub, "pull", "add a model to the cache folder: ORG/NAME from the Hugging Face hub, a local "
+                    "model folder, or a local .gguf file (converted to safetensors)")
+    pull.add_argument("source", help="ORG/NAME, a folder or a .gguf file")
+    pull.set_defaults(handler=_model_pull)
 
 
 def _add_chat(sub: Subparsers) -> None:
