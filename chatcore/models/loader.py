@@ -23,7 +23,7 @@ import torch
 
 from chatcore import openmp
 from chatcore.config import DEFAULT_MODEL, Settings
-from chatcore.models import paged_attention, support
+from chatcore.models import in_use, paged_attention, support
 from chatcore.models.fused_layer import fuse_layers
 from chatcore.models.device import resolve_device, resolve_dtype
 from chatcore.models.errors import ModelNotFound, UnsupportedModel
@@ -118,6 +118,7 @@ def load_model(settings: Settings) -> LoadedModel:
     device = resolve_device(settings.device)
     check_weights(settings.weights, device)
     path = resolve_model_path(settings)
+    in_use.hold(path, settings.cache_dir)  # `chatcore model rm` refuses it while this process lives
     dtype = resolve_dtype(settings.dtype, device)
     name = paged_attention.register()
     tokenizer = AutoTokenizer.from_pretrained(path)
