@@ -151,7 +151,9 @@ class Settings(BaseSettings):
     grammar_compile_timeout_s: float = Field(
         10.0, gt=0, description="a schema not compiled within this is refused (bad_request); its compile finishes "
         "in the background, holding its thread")
-    grammar_cache_mb: int = Field(64, ge=0, description="compiled grammars kept for reuse, in MiB (0: none)")
+    grammar_cache_mb: int = Field(
+        64, ge=0, description="compiled grammars kept for reuse, in MiB of the memory they hold as measured, "
+        "grammars running requests still hold included (0: none kept)")
     grammar_mask_share: float = Field(
         0.25, gt=0, le=4, description="the part of a step's forward time that grammar masks may add to the step, "
         "split evenly among the tenants with requests; a tenant's constrained rows past its part wait a step")

@@ -29,7 +29,13 @@ The compile pool (invariants):
   cannot be interrupted: the compile runs on to its end in the background, and keeps its thread
   (and its owner's share) until then, so the threads bound the compile work in flight, abandoned
   or not. Its result lands in the cache, where a later request for the same schema finds it;
-- compiled grammars are cached by xgrammar within `cache_bytes` (least recently used first out).
+- compiled grammars are kept for reuse by `GrammarCache` (chatcore/engine/grammar_cache.py), keyed by the
+  kind and the canonical schema, within `cache_bytes` of the memory they hold as measured (xgrammar's own
+  cache, which under-counts it about 50x for large enums, is off), least recently used first out; a grammar
+  evicted while a request holds it counts against `cache_bytes` until that request lets it go;
+- what is not in that bound, bounded elsewhere: the grammars compiling (at most `threads`, each at most
+  the size the schema limits allow: ~10 MB measured at 32 KB), and grammars held by requests beyond
+  `cache_bytes` (one per turn: `max_turns_per_tenant` per tenant).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import torch
 import xgrammar
 
 from chatcore.engine.errors import describe_failure
+from chatcore.engine.grammar_cache import GrammarCache
 from chatcore.engine.schema_limits import SchemaLimits
 
 COMPILE_NICE = 10  # compile threads' niceness: the engine thread and the event loop come first
@@ -92,7 +99,7 @@ class MaskFill:
 class CompilePolicy:
     threads: int = 1  # compiles running at once at most
     timeout_s: float = 10.0  # how long a caller waits for its compile
-    cache_bytes: int = 64 << 20  # compiled grammars kept for reuse (0: none)
+    cache_bytes: int = 64 << 20  # memory of compiled grammars kept for reuse, as `GrammarCache` counts it (0: none)
 
 
 class Grammars:
@@ -104,6 +111,7 @@ class Grammars:
         self._policy = policy
         self._lock = threading.Lock()
         self._compiler: xgrammar.GrammarCompiler | None = None
+        self._cache = GrammarCache(policy.cache_bytes)
         self._matchers: dict[object, xgrammar.GrammarMatcher] = {}  # by sequence
         self._batchers: dict[int, xgrammar.BatchGrammarMatcher] = {}  # by thread count
         # Compiles in flight (event loop only), each with its owner; finished ones leave at once.
@@ -114,9 +122,7 @@ class Grammars:
             if self._compiler is None:
                 info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
                                                                stop_token_ids=self._stop_token_ids)
-                cache_bytes = self._policy.cache_bytes
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=cache_bytes > 0,
-                                                          cache_limit_bytes=cache_bytes or -1)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
     async def compile_async(self, fmt: ResponseFormat, owner: str) -> ResponseFormat:
@@ -159,9 +165,9 @@ class Grammars:
 
     @property
     def cache_size_bytes(self) -> int:
-        """What the cache of compiled grammars holds now (at most about `cache_bytes`)."""
-        compiler = self._compiler
-        return compiler.get_cache_size_bytes() if compiler is not None else 0
+        """The memory of the compiled grammars alive that the cache counts (kept, or evicted and still held by
+        a request): within `cache_bytes` unless requests alone hold more."""
+        return self._cache.size_bytes
 
     def _compile_into(self, fmt: ResponseFormat, future: asyncio.Future[xgrammar.CompiledGrammar],
                       loop: asyncio.AbstractEventLoop) -> None:
@@ -178,6 +184,10 @@ class Grammars:
 
     def compile(self, fmt: ResponseFormat) -> xgrammar.CompiledGrammar:
         """Compile now, on this thread (or find it in the cache)."""
+        key = (fmt.kind, fmt.schema)
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
         compiler = self._get_compiler()
         try:
             if fmt.kind == "json_object":
@@ -198,7 +208,7 @@ class Grammars:
         if not self._allows_a_first_token(compiled):
             raise GrammarError("the JSON schema cannot be used: no output satisfies it (it allows no first token; "
                                "a schema that refers only to itself, or whose constraints contradict, does this)")
-        return compiled
+        return self._cache.put(key, compiled)
 
     def _allows_a_first_token(self, compiled: xgrammar.CompiledGrammar) -> bool:
         bitmask = xgrammar.allocate_token_bitmask(1, self._vocab_size)
