@@ -27,8 +27,9 @@ def _sizes(ctx: Any) -> dict[str, int]:
     return {"requests": 4, "n": 8, "load_tokens": 120, "victim_tokens": 24 if ctx.quick else 32}
 
 
-def _alice_itl_ms(core: EngineCore, schema: bool, sizes: dict[str, int]) -> tuple[float, int]:
-    """Alice's median inter-token ms beside mallory's load, and how many of mallory's rows waited a step."""
+def _alice_itl_ms(core: EngineCore, schema: bool, sizes: dict[str, int]) -> tuple[float, int, int]:
+    """Alice's median inter-token ms beside mallory's load, how many of mallory's rows waited a step, and how many
+    tokens mallory's rows made meanwhile."""
     tokenizer = core.tokenizer
     fmt = ResponseFormat("json_schema", COSTLY_SCHEMA, core.grammars.compile(
         ResponseFormat("json_schema", COSTLY_SCHEMA))) if schema else None
@@ -40,6 +41,7 @@ def _alice_itl_ms(core: EngineCore, schema: bool, sizes: dict[str, int]) -> tupl
     while any(len(req.seqs) < sizes["n"] or req.seqs[0].num_generated < 2 for req in load):
         core.step()
     held_before = core.mask_budget.held_rows
+    made_before = sum(seq.num_generated for req in load for seq in req.seqs)
     (prompt,) = chat_prompts(tokenizer, None, ["Name three colors."])
     alice = core.make_request(prompt, SamplingParams(max_tokens=sizes["victim_tokens"], ignore_eos=True), tenant="alice")
     core.add(alice)
@@ -49,20 +51,24 @@ def _alice_itl_ms(core: EngineCore, schema: bool, sizes: dict[str, int]) -> tupl
     if final.error or any(req.finished for req in load):
         raise RuntimeError(f"the run ended early: {final.error or 'the load finished before alice did'}")
     held = core.mask_budget.held_rows - held_before
+    made = sum(seq.num_generated for req in load for seq in req.seqs) - made_before
     for req in load:
         core.abort(req.request_id)
-    return median(final.timings.inter_token_ms), held
+    return median(final.timings.inter_token_ms), held, made
 
 
 def run(ctx: Any) -> dict[str, Any]:
     sizes = _sizes(ctx)
     core = fresh_core(ctx)
-    plain, constrained, held = [], [], []
+    plain, constrained, held, made = [], [], [], {"schema": [], "no_schema": []}
     for _ in ctx.each_repeat(range(ctx.repeats)):
-        plain.append(_alice_itl_ms(core, False, sizes)[0])
-        itl, rows = _alice_itl_ms(core, True, sizes)
+        itl, _, tokens = _alice_itl_ms(core, False, sizes)
+        plain.append(itl)
+        made["no_schema"].append(tokens)
+        itl, rows, tokens = _alice_itl_ms(core, True, sizes)
         constrained.append(itl)
         held.append(rows)
+        made["schema"].append(tokens)
     core.audit()
     ratios = [c / p for c, p in zip(constrained, plain, strict=True)]
     ratio = median(ratios)
@@ -70,10 +76,14 @@ def run(ctx: Any) -> dict[str, Any]:
               f"{median(constrained):.1f}, beside the same rows without a schema: {median(plain):.1f}")
     return {
         "sizes": sizes, "alice_itl_ms": {"schema": constrained, "no_schema": plain}, "held_rows": held,
+        "mallory_tokens_meanwhile": made,
         "targets": [
             target("another tenant's ITL under costly grammars / without", ratio, "<=", TARGET_RATIO, detail,
                    runs=ratios, baseline_runs=plain),
             reported("mallory's rows held out of a step while alice ran", float(median(held)),
                      "each a row whose tenant's masks were past its share that step"),
+            reported("mallory's tokens while alice ran, with the schema / without", float(
+                median([s / max(1, p) for s, p in zip(made["schema"], made["no_schema"], strict=True)])),
+                f"{median(made['schema']):.0f} against {median(made['no_schema']):.0f}: the costly tenant pays"),
         ],
     }

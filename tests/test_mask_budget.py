@@ -55,24 +55,31 @@ def test_held_rows_take_turns() -> None:
     budget.forward_took(80.0, decode=True)  # share 0.25 * 80 ms / 2 tenants = 10 ms: one 20 ms row every other step
     mallory, alice = decoding("mallory", 4), decoding("alice", 1, fmt=None)
     constrained = constrained_in(mallory, alice)
+    assert budget.hold([mallory, alice], constrained) == frozenset()  # no cost known yet
     budget.charge("mallory", 4 * 20.0, mallory.seqs)
     turns = []
-    for _ in range(40):  # 8 steps pay back the first 80 ms, then 16 rows are masked
+    for _ in range(40):  # the first 80 ms are paid back, then a 20 ms row every other step
         held = budget.hold([mallory, alice], constrained)
         masked = [seq for seq in mallory.seqs if seq not in held]
         if masked:
             budget.charge("mallory", 20.0 * len(masked), masked)
         turns.extend(seq.index for seq in masked)
-    assert len(turns) == 16 and sorted(set(turns)) == [0, 1, 2, 3]
+    assert 40 * 10 / 20 - 80 / 20 - 1 <= len(turns) <= 40 * 10 / 20 and sorted(set(turns)) == [0, 1, 2, 3]
     assert max(turns.count(i) for i in range(4)) - min(turns.count(i) for i in range(4)) <= 1
 
 
-def test_nothing_waits_when_no_one_else_is_in_the_engine() -> None:
+def test_nothing_waits_when_no_one_else_is_in_the_engine_and_nothing_is_owed_after() -> None:
     budget = MaskBudget(fraction=0.25)
     budget.forward_took(100.0, decode=True)
-    mallory = decoding("mallory", 8)
-    budget.charge("mallory", 8 * 50.0, mallory.seqs)
-    assert budget.hold([mallory], constrained_in(mallory)) == frozenset()
+    mallory, alice = decoding("mallory", 8), decoding("alice", 1, fmt=None)
+    for _ in range(10):  # alone: 400 ms of masks a step cost nobody
+        assert budget.hold([mallory], constrained_in(mallory)) == frozenset()
+        budget.charge("mallory", 8 * 50.0, mallory.seqs)
+    # Alice arrives: mallory's rows now wait past its share, but it owes nothing for the steps it ran alone.
+    held = budget.hold([mallory, alice], constrained_in(mallory, alice))
+    assert len(held) == 8 - 1  # its saved credit (capped at one 50 ms row) pays for one row; had the steps alone
+    # been charged, its debt (4,000 ms) would hold all eight
+
     # The same tenant's request without a grammar is somebody waiting: its chat is protected too.
     plain = decoding("mallory", 1, fmt=None)
     assert budget.hold([mallory, plain], constrained_in(mallory, plain))
@@ -84,12 +91,13 @@ def test_a_row_dearer_than_the_burst_is_still_masked_in_time() -> None:
     budget.forward_took(8.0, decode=True)  # share 1 ms a step; a row costs 30 ms
     mallory, alice = decoding("mallory", 1), decoding("alice", 1)
     constrained = constrained_in(mallory, alice)
+    assert budget.hold([mallory, alice], constrained) == frozenset()
     budget.charge("mallory", 30.0, mallory.seqs)
     waits = 0
     while budget.hold([mallory, alice], constrained) & set(mallory.seqs):
         waits += 1
         assert waits < 100, "the row starved"
-    assert waits >= 30 // 1 * 2 - 1  # it paid back its 30 ms debt and saved 30 ms, at 1 ms a step
+    assert waits >= 2 * 30 - 2  # it paid back its 30 ms debt and saved 30 ms, at 1 ms a step
 
 
 COSTLY = ResponseFormat("json_schema", '{"pattern": ".{1,500}", "type": "string"}')  # the review's: 13-35 ms a row

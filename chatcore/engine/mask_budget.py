@@ -16,7 +16,8 @@ Invariants:
 - a tenant's constrained decode rows are held out of the step (`hold`: they wait, nothing is lost)
   beyond what its credit pays for, least recently masked first, so none of them starves;
 - rows are held only while another tenant's request, or a request without a grammar, is in the
-  engine: with nobody else to wait, masks cost nobody (and the scheduler never idles on a hold).
+  engine: with nobody else to wait, masks cost nobody (and the scheduler never idles on a hold), so
+  they are not charged either: a tenant alone runs up no debt that a later arrival would make it pay.
 A prompt's first mask is never held; it is charged all the same, so a tenant's debt is paid back
 before its rows run again.
 """
@@ -40,6 +41,7 @@ class MaskBudget:
         self._row_ms: dict[str, float] = {}
         self._masked_at: dict[TokenSequence, int] = {}  # the step that last masked a held-able row
         self._step = 0
+        self._contended: set[str] = set()  # the tenants whose masks others wait for, this step
         self.held_rows = 0  # rows held out of steps so far (a counter, for metrics)
 
     def forward_took(self, ms: float, decode: bool) -> None:
@@ -58,6 +60,7 @@ class MaskBudget:
             rows.setdefault(req.tenant, []).extend(
                 seq for seq in req.live_seqs if seq.table is not None and seq.to_compute == 1 and constrained(seq))
         held: list[TokenSequence] = []
+        self._contended = set()
         for tenant, seqs in rows.items():
             if not seqs:
                 continue
@@ -66,6 +69,7 @@ class MaskBudget:
             self._credit[tenant] = credit
             if not any(req.tenant != tenant or req.params.response_format is None for req in requests):
                 continue
+            self._contended.add(tenant)
             seqs.sort(key=lambda seq: self._masked_at.get(seq, 0))
             affordable = len(seqs) if row_ms == 0 else max(0, int(credit // row_ms))
             held.extend(seqs[affordable:])
@@ -73,8 +77,9 @@ class MaskBudget:
         return frozenset(held)
 
     def charge(self, tenant: str, ms: float, seqs: list[TokenSequence]) -> None:
-        """The tenant's masks for `seqs` took `ms` (one batch call)."""
-        self._credit[tenant] = self._credit.get(tenant, 0.0) - ms
+        """The tenant's masks for `seqs` took `ms` (one batch call): charged while others wait for them."""
+        if tenant in self._contended:
+            self._credit[tenant] = self._credit.get(tenant, 0.0) - ms
         per_row = ms / len(seqs)
         known = self._row_ms.get(tenant)
         self._row_ms[tenant] = per_row if known is None else known + SMOOTHING * (per_row - known)
