@@ -25,13 +25,13 @@ from chatcore.engine.detok import IncrementalDetokenizer
 from chatcore.engine.errors import describe_failure
 from chatcore.engine.grammar import CompilePolicy, Grammars
 from chatcore.engine.kv_manager import KVCacheManager
+from chatcore.engine.mask_budget import MaskBudget
 from chatcore.engine.outputs import CompletedSeq, RequestOutput, SeqDelta, Timings, TokenLogprob, Usage
 from chatcore.engine.penalties import Penalties
 from chatcore.engine.pool_sizing import depth_cost, kv_storage_dtype, pool_size
 from chatcore.engine.request import Request, SamplingParams, TokenSequence
-from chatcore.engine.runner import ModelRunner
-from chatcore.engine.mask_budget import MaskBudget
 from chatcore.engine.row_faults import RowFaults
+from chatcore.engine.runner import ModelRunner
 from chatcore.engine.sampler import NO_TOKEN, beam_candidates, greedy, make_generator, sample
 from chatcore.engine.scheduler import ScheduledSeq, Scheduler, StepPlan
 from chatcore.engine.transfers import DownloadPack
