@@ -72,8 +72,8 @@ def run(ctx: Any) -> dict[str, Any]:
     core.audit()
     ratios = [c / p for c, p in zip(constrained, plain, strict=True)]
     ratio = median(ratios)
-    detail = (f"alice's median inter-token ms beside {sizes['requests']} x n={sizes['n']} rows of `.{{1,500}}`: "
-              f"{median(constrained):.1f}, beside the same rows without a schema: {median(plain):.1f}")
+    detail = (f"alice's median inter-token ms beside {sizes['requests']} x n={sizes['n']} rows of `.{{1,500}}` vs "
+              f"beside the same rows without a schema: {median(constrained):.1f} vs {median(plain):.1f}")
     return {
         "sizes": sizes, "alice_itl_ms": {"schema": constrained, "no_schema": plain}, "held_rows": held,
         "mallory_tokens_meanwhile": made,

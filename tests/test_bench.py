@@ -88,12 +88,13 @@ def test_bench_all_quick_tiny(bench_all_quick_tiny: BenchRun) -> None:
             assert {"name", "value", "op", "threshold", "met", "verdict"} <= set(t)
         for plot in suite["plots"]:
             assert (tmp_path / plot).stat().st_size > 1000
-    assert len(data["targets"]) == 26
+    assert len(data["targets"]) == 29
     assert [t["name"] for t in data["targets"] if t["met"] is None] == [  # reported, no verdict
         suites[s]["targets"][i]["name"] for s, i in (("hitrate", 0), ("memory", 0), ("resume", 1),
-                                                      *(("sessions", i) for i in range(1, 6)))]
+                                                      *(("sessions", i) for i in range(1, 6)),
+                                                      ("grammar", 1), ("grammar", 2))]
     table = (tmp_path / "table.md").read_text()
-    assert table.count("\n| ") >= 26 and table.count("| reported |") == 8
+    assert table.count("\n| ") >= 29 and table.count("| reported |") == 10
     assert suites["throughput"]["systems"]["llama_cpp"]["skipped"]
     throughput = suites["throughput"]
     assert throughput["systems"]["chatcore_no_sharing"]["cached_tokens"] == 0 < throughput["systems"]["chatcore"]["cached_tokens"]
@@ -129,7 +130,7 @@ def test_baselines_are_named_and_their_repeats_judged(bench_all_quick_tiny: Benc
     """Issue 36, target 6, in the tiny run (one repeat: every baseline says it was measured once)."""
     suites = bench_all_quick_tiny.results["suites"]
     # targets with a timed baseline
-    timed = {"single": 1, "throughput": 7, "multiturn": 1, "resume": 1, "server": 1, "sessions": 2}
+    timed = {"single": 1, "throughput": 7, "multiturn": 1, "resume": 1, "server": 1, "sessions": 2, "grammar": 1}
     for name, count in timed.items():
         judged = [t for t in suites[name]["targets"] if t.get("baseline_runs") is not None]
         assert len(judged) == count, name

@@ -170,6 +170,7 @@ async def test_a_slow_schema_is_refused_at_the_time_limit_and_keeps_its_thread_u
 # ----- another tenant's first token ---------------------------------------------------------------------
 
 TTFT_TURNS = 9
+MEASURES = 3  # attempts at a measurement during which mallory's compiles held her threads from start to end
 ALICE_SCHEMA = small_schema("greeting")
 
 
@@ -237,10 +238,15 @@ async def test_another_tenants_first_token_holds_while_one_tenant_sends_hostile_
         stop, seen = asyncio.Event(), {}
         workers = [asyncio.create_task(hostile_worker(client, mallory, w, stop, seen)) for w in range(3)]
         deadline = time.monotonic() + 60
-        while not await tenant_share_in_use(client, mallory):  # mallory's compiles hold their threads
-            assert time.monotonic() < deadline and not any(w.done() for w in workers), seen
-        loaded = await median_ttft(client, alice)
-        held_throughout = await tenant_share_in_use(client, mallory)
+        for _ in range(MEASURES):
+            while not await tenant_share_in_use(client, mallory):  # mallory's compiles hold their threads
+                assert time.monotonic() < deadline and not any(w.done() for w in workers), seen
+            loaded = await median_ttft(client, alice)
+            # Still held at the end? A probe may fall in the gap between one compile's end and a worker's next
+            # try (up to its 1 s back-off): then that measurement proves nothing, and is taken again.
+            held_throughout = await tenant_share_in_use(client, mallory)
+            if held_throughout:
+                break
         stop.set()
         await asyncio.gather(*workers)
     assert held_throughout, "the hostile compiles ended before alice's turns did: the test measured nothing"

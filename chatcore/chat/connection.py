@@ -18,6 +18,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
 from chatcore.chat.errors import ChatError
+from chatcore.outcomes import ErrorCode
 
 Frame = dict[str, Any]
 SEQ_FRAMES = frozenset({"start", "token", "done"})
@@ -153,12 +154,12 @@ class Connection:
 def _raise_fatal(frame: Frame, session_id: str | None) -> None:
     """Raise for the errors that end the client's hold on its session (docs/protocol.md's error codes)."""
     code, message = frame.get("code"), frame.get("message") or frame.get("code")
-    if code == "unauthorized":
+    if code == ErrorCode.UNAUTHORIZED:
         if session_id is not None:
             raise ChatError(f"the server refused the resume token of session {session_id} ({message}); "
                             "pass the right one with --resume-token", exit_code=2)
         raise ChatError(f"the server refused the API key ({message}); pass one with --api-key", exit_code=2)
-    if code == "conflict":
+    if code == ErrorCode.CONFLICT:
         raise ChatError(f"another client took over session {session_id} ({message})")
-    if code == "not_found" and session_id is not None:
+    if code == ErrorCode.NOT_FOUND and session_id is not None:
         raise ChatError(f"session {session_id}: {message}", exit_code=2)

@@ -14,7 +14,7 @@ not use go back when the turn is saved.
 
 The stored total is a sum over all of the tenant's messages (50 MB of text at the default limit):
 too dear to read before every turn. It is read once and then kept as an upper bound: each
-released reservation adds what it reserved (at least what it wrote; deletions only make the bound
+settled reservation adds what it reserved (at least what it wrote; deletions only make the bound
 looser). While the bound leaves room, a write needs no read; the total is read again when the bound
 would refuse a write (so nothing is refused on a stale figure) and every `STORED_FRESH_S` (so the
 writes of other replicas on the same database are seen).
@@ -59,14 +59,14 @@ def answer_chars(max_tokens: int, n: int, token_chars: int) -> int:
 
 
 class Reservation:
-    """Characters a write may add, counted as the tenant's until `release` (idempotent)."""
+    """Characters a write may add, counted as the tenant's until `settle` (idempotent)."""
 
     def __init__(self, quota: StoreQuota, tenant_id: str, chars: int) -> None:
         self._quota = quota
         self.tenant_id = tenant_id
         self.chars = chars
 
-    def release(self) -> None:
+    def settle(self) -> None:
         if self.chars:
             self._quota.grow(self.tenant_id, self.chars)
             self._quota.pending[self.tenant_id] -= self.chars
@@ -86,7 +86,7 @@ class StoreQuota:
         self._stored: dict[str, tuple[int, float]] = {}  # an upper bound of each tenant's total, and when it was read
 
     async def reserve(self, tenant_id: str, chars: int, what: str) -> Reservation:
-        """Count `chars` as the tenant's until the reservation is released; `TooLarge` (nothing
+        """Count `chars` as the tenant's until the reservation is settled; `TooLarge` (nothing
         reserved) where the stored characters, those in flight and these would pass the limit.
         `what` names the write in the refusal ("the branch")."""
         if chars <= 0:
@@ -95,7 +95,7 @@ class StoreQuota:
         self._guards[tenant_id] = (lock, users + 1)
         try:
             async with lock:  # the read and the count together: no other write of the tenant between
-                # In flight taken before the read: a write commits before it releases, so one released
+                # In flight taken before the read: a write commits before it settles, so one settled
                 # meanwhile is in the read (or in both: counted twice, never missed).
                 pending = self.pending[tenant_id]
                 stored = await self._stored_bound(tenant_id, pending + chars)
@@ -137,4 +137,4 @@ class StoreQuota:
         try:
             yield reservation
         finally:
-            reservation.release()
+            reservation.settle()

@@ -119,7 +119,7 @@ class TurnRunner:
                 assistant = await repos.turns.add_exchange(state.id, content, prompt[len(prompt) - added:],
                                                            client_id=client_id)
         except BaseException:
-            stored.release()
+            stored.settle()
             raise
         state.next_seq = max(state.next_seq, first)
         state.turn_count += 2
@@ -199,7 +199,7 @@ class TurnRunner:
             await self._finish(state, frames, req, content, window, final, error, assistant_id)
         finally:
             self.sessions.active_turns[state.tenant_id] -= 1
-            stored.release()
+            stored.settle()
             state.request_id = None
             state.last_active = time.monotonic()
 
