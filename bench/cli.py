@@ -90,6 +90,8 @@ def bench_command(args: argparse.Namespace, settings: Settings) -> int:
     failures = 0
     from chatcore.bench import plots
 
+    if not plots.available():
+        _log(plots.MISSING)
     for name in progress(names, "suites", "suite"):
         _log(f"[{name}] running{' (quick)' if ctx.quick else ''}{' (tiny)' if tiny else ''}")
         monitor = CpuMonitor()
@@ -103,11 +105,12 @@ def bench_command(args: argparse.Namespace, settings: Settings) -> int:
         result["cpu"] = monitor.report()
         result["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         suites[name] = result
+        result["plots"] = []
         try:
-            result["plots"] = plots.plot(name, result, out)
+            if plots.available():
+                result["plots"] = plots.plot(name, result, out)
         except Exception:
             traceback.print_exc()
-            result["plots"] = []
         cpu = result["cpu"]
         _log(f"[{name}] done in {cpu['wall_s']:.1f} s; other processes used {cpu['foreign_busy_cores']:.2f} cores "
              f"meanwhile{' (DISTURBED: re-run this suite)' if cpu['foreign_busy_cores'] > 0.3 else ''}")
