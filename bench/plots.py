@@ -6,19 +6,23 @@ when a plot is drawn (`_pyplot`); `chatcore bench` checks `available()` first an
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
-MISSING = "plots need matplotlib, a development dependency (pip install matplotlib); results.json and table.md are written without them"
+MISSING = ("plots need matplotlib, a development dependency (pip install matplotlib); results.json and table.md "
+           "are written without them")
 
 LABELS = {"chatcore": "chatcore", "hf_sequential": "HF generate\n(one at a time)", "hf_static": "HF static batch",
           "hf_generate_batch": "HF generate_batch\n(CB, sharing)"}
 
 
 def available() -> bool:
-    """Whether matplotlib is installed, so that `plot` can draw."""
-    return importlib.util.find_spec("matplotlib") is not None
+    """Whether matplotlib imports here, so that `plot` can draw."""
+    try:
+        _pyplot()
+    except ImportError:
+        return False
+    return True
 
 
 def _pyplot() -> Any:

@@ -10,11 +10,13 @@ imports the same modules.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
 import tomllib
 from importlib import metadata
+from pathlib import Path
 
 from packaging.requirements import Requirement
 
@@ -72,3 +74,20 @@ def test_the_shipped_modules_import_no_dev_package() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     loaded = set(json.loads(done.stdout.strip().splitlines()[-1]))
     assert loaded & dev_only == set()
+
+
+def test_bench_says_plots_need_matplotlib_and_writes_the_rest(tmp_path: Path) -> None:
+    """Where matplotlib does not import, `chatcore bench` says so once, draws nothing and still writes
+    results.json and table.md (the hit-rate suite: no server)."""
+    script = ("import sys\nsys.modules['matplotlib'] = None  # `import matplotlib` raises ImportError\n"
+              "from chatcore.cli import main\n"
+              f"sys.exit(main(['bench', '--suite', 'hitrate', '--quick', '--no-fail', '--out', {str(tmp_path)!r}]))")
+    env = {**os.environ, "CHATCORE_BENCH_TINY": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("plots need matplotlib") == 1, done.stdout[-3000:]
+    suite = json.loads((tmp_path / "results.json").read_text())["suites"]["hitrate"]
+    assert suite["targets"] and suite["plots"] == []
+    assert (tmp_path / "table.md").read_text().startswith("Measured on")
+    assert list(tmp_path.glob("*.png")) == []
