@@ -176,15 +176,7 @@ def hf_continuous(model: Any, prompts: list[list[int]], max_new_tokens: int, *, 
     manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb)
     try:
         manager.warmup()
-        cache = manager.batch_processor.cache
-        matched: list[int] = []
-        search = cache.search_prefix_match
-
-        def counted(request_id: str, prompt_ids: list[int]) -> int:
-            matched.append(search(request_id, prompt_ids))
-            return matched[-1]
-
-        cache.search_prefix_match = counted
+        matched = _count_prefix_matches(manager.batch_processor.cache)
         manager.start()
         finished: dict[str, Any] = {}
         t0 = time.perf_counter()  # transformers stamps with perf_counter too
@@ -204,14 +196,30 @@ def hf_continuous(model: Any, prompts: list[list[int]], max_new_tokens: int, *, 
         raise RuntimeError(f"continuous batching failed: {errors[:2]} ({len(results)} of {len(prompts)} results)")
     tokens = sum(len(r.generated_tokens) for r in results)
     ttft = [r.timestamps[0] - t0 for r in results if r.timestamps]
-    firsts = [r.timestamps[0] for r in results if r.timestamps]
-    lasts = [r.timestamps[-1] for r in results if r.timestamps]
-    decode = None
-    if firsts and max(firsts) < min(lasts):
-        # The window in which every request was decoding: tokens stamped inside it / its length.
-        lo, hi = max(firsts), min(lasts)
-        inside = sum(1 for r in results for t in (r.timestamps or []) if lo < t <= hi)
-        decode = inside / (hi - lo)
-    return BatchRun(wall, tokens, ttft, decode_tok_s=decode, cached_tokens=sum(matched),
+    return BatchRun(wall, tokens, ttft, decode_tok_s=_all_decoding_rate(results), cached_tokens=sum(matched),
                     note=f"page {page_size}, {num_blocks} blocks, max {max_batch_tokens} tokens/batch, "
                          f"sharing {'on' if sharing else 'off'}")
+
+
+def _count_prefix_matches(cache: Any) -> list[int]:
+    """The prompt tokens each lookup of `cache`'s prefix cache matches, appended as it looks them up."""
+    matched: list[int] = []
+    search = cache.search_prefix_match
+
+    def counted(request_id: str, prompt_ids: list[int]) -> int:
+        matched.append(search(request_id, prompt_ids))
+        return matched[-1]
+
+    cache.search_prefix_match = counted
+    return matched
+
+
+def _all_decoding_rate(results: list[Any]) -> float | None:
+    """Tokens stamped in the window in which every request was decoding / its length; None if there is none."""
+    firsts = [r.timestamps[0] for r in results if r.timestamps]
+    lasts = [r.timestamps[-1] for r in results if r.timestamps]
+    if not firsts or max(firsts) >= min(lasts):
+        return None
+    lo, hi = max(firsts), min(lasts)
+    inside = sum(1 for r in results for t in (r.timestamps or []) if lo < t <= hi)
+    return inside / (hi - lo)

@@ -57,7 +57,7 @@ def _clean(value: Any) -> Any:
 
 
 def bench_command(args: argparse.Namespace, settings: Settings) -> int:
-    from chatcore.bench.common import Context, CpuMonitor, busy_processes, progress
+    from chatcore.bench.common import Context, busy_processes, progress
 
     tiny = os.environ.get("CHATCORE_BENCH_TINY", "") not in ("", "0")
     names = SUITES if args.suite == "all" else [s.strip() for s in args.suite.split(",")]
@@ -75,13 +75,7 @@ def bench_command(args: argparse.Namespace, settings: Settings) -> int:
             "block_size": settings.block_size}
 
     path = out / "results.json"
-    previous: dict[str, Any] = {}
-    if path.exists():
-        try:
-            previous = json.loads(path.read_text())
-        except ValueError:
-            previous = {}
-    suites = previous.get("suites", {}) if previous.get("mode") == mode else {}
+    suites = _kept_suites(path, mode)
 
     started = time.monotonic()
     busy = busy_processes()
@@ -90,29 +84,15 @@ def bench_command(args: argparse.Namespace, settings: Settings) -> int:
     failures = 0
     from chatcore.bench import plots
 
+    if not plots.available():
+        _log(plots.MISSING)
     for name in progress(names, "suites", "suite"):
         _log(f"[{name}] running{' (quick)' if ctx.quick else ''}{' (tiny)' if tiny else ''}")
-        monitor = CpuMonitor()
-        module = importlib.import_module(f"chatcore.bench.{name}")
-        try:
-            result = module.run(ctx)
-        except Exception as exc:
-            failures += 1
-            traceback.print_exc()
-            result = {"error": f"{type(exc).__name__}: {exc}", "targets": []}
-        result["cpu"] = monitor.report()
-        result["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        result, failed = _run_suite(name, ctx)
         suites[name] = result
-        try:
-            result["plots"] = plots.plot(name, result, out)
-        except Exception:
-            traceback.print_exc()
-            result["plots"] = []
-        cpu = result["cpu"]
-        _log(f"[{name}] done in {cpu['wall_s']:.1f} s; other processes used {cpu['foreign_busy_cores']:.2f} cores "
-             f"meanwhile{' (DISTURBED: re-run this suite)' if cpu['foreign_busy_cores'] > 0.3 else ''}")
-        for t in result.get("targets", []):
-            _log(f"    {t['verdict'].upper():12} {t['name']}: {_fmt(t['value'])} ({t['detail']})")
+        failures += failed
+        _plot(name, result, out)
+        _report_suite(name, result)
         _write(path, ctx, mode, suites, busy)
 
     from chatcore.bench.report import markdown_table
@@ -120,6 +100,56 @@ def bench_command(args: argparse.Namespace, settings: Settings) -> int:
     (out / "table.md").write_text(markdown_table(json.loads(path.read_text())))
     _log(f"wrote {path}, {out / 'table.md'} and plots in {out} ({time.monotonic() - started:.0f} s)")
     return exit_code({name: suites[name] for name in names}, failures, fail_on_missed=not args.no_fail)
+
+
+def _kept_suites(path: Path, mode: dict[str, Any]) -> dict[str, Any]:
+    """The suites of an earlier results.json in `path` run in the same mode (kept unless run again now)."""
+    previous: dict[str, Any] = {}
+    if path.exists():
+        try:
+            previous = json.loads(path.read_text())
+        except ValueError:
+            previous = {}
+    return previous.get("suites", {}) if previous.get("mode") == mode else {}
+
+
+def _run_suite(name: str, ctx: Any) -> tuple[dict[str, Any], bool]:
+    """One suite's result, with the machine's load meanwhile, and whether it raised (its result is then
+    the `error` and no targets)."""
+    from chatcore.bench.common import CpuMonitor
+
+    monitor = CpuMonitor()
+    module = importlib.import_module(f"chatcore.bench.{name}")
+    failed = False
+    try:
+        result = module.run(ctx)
+    except Exception as exc:
+        failed = True
+        traceback.print_exc()
+        result = {"error": f"{type(exc).__name__}: {exc}", "targets": []}
+    result["cpu"] = monitor.report()
+    result["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    return result, failed
+
+
+def _plot(name: str, result: dict[str, Any], out: Path) -> None:
+    """`result["plots"]`: the PNGs drawn into `out` (none without matplotlib, or where drawing failed)."""
+    from chatcore.bench import plots
+
+    result["plots"] = []
+    try:
+        if plots.available():
+            result["plots"] = plots.plot(name, result, out)
+    except Exception:
+        traceback.print_exc()
+
+
+def _report_suite(name: str, result: dict[str, Any]) -> None:
+    cpu = result["cpu"]
+    _log(f"[{name}] done in {cpu['wall_s']:.1f} s; other processes used {cpu['foreign_busy_cores']:.2f} cores "
+         f"meanwhile{' (DISTURBED: re-run this suite)' if cpu['foreign_busy_cores'] > 0.3 else ''}")
+    for t in result.get("targets", []):
+        _log(f"    {t['verdict'].upper():12} {t['name']}: {_fmt(t['value'])} ({t['detail']})")
 
 
 def exit_code(suites: dict[str, Any], failures: int, *, fail_on_missed: bool) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.profiler import ProfilerActivity, profile
@@ -38,7 +39,7 @@ def run_batch(core: EngineCore, prompts: list[list[int]], params: SamplingParams
     hook = plans.append
     core.on_step.append(hook)
     profiles: list[tuple[Any, float]] = []
-    steps: list[tuple[int, int, float]] = []
+    tally = _Tally()
     try:
         requests = [core.make_request(p, params, scope_key=scope if share else f"{scope}/{i}")
                     for i, p in enumerate(prompts)]
@@ -47,31 +48,18 @@ def run_batch(core: EngineCore, prompts: list[list[int]], params: SamplingParams
             req.arrival = time.monotonic()
             core.add(req)
         finals = {}
-        decode_tokens, decode_time, full_tokens, full_time = 0, 0.0, 0, 0.0
         while core.has_work:
             before = len(plans)
-            profiled = (full_tokens > 0 and len(profiles) < profile_steps and step_ops.in_full_decode(core)
+            profiled = (tally.full_tokens > 0 and len(profiles) < profile_steps and step_ops.in_full_decode(core)
                         and len(core.scheduler.running) == len(requests))
-            with step_ops.labelled(core) if profiled else contextlib.nullcontext(), \
-                    profile(activities=[ProfilerActivity.CPU]) if profiled else contextlib.nullcontext() as prof:
-                s0 = time.perf_counter()
-                outputs = core.step()
-                dt = time.perf_counter() - s0
+            outputs, dt, prof = _step(core, profiled)
             for out in outputs:
                 if out.finished:
                     finals[out.request_id] = out
             if profiled:
                 profiles.append((prof, dt))
-                continue
-            if len(plans) > before:
-                plan = plans[-1]
-                steps.append((len(plan.decode), sum(e.num_tokens for e in plan.prefill), dt))
-                if not plan.prefill and plan.decode:
-                    decode_tokens += len(plan.decode)
-                    decode_time += dt
-                    if len(plan.decode) == len(requests):
-                        full_tokens += len(requests)
-                        full_time += dt
+            elif len(plans) > before:
+                tally.add(plans[-1], dt, len(requests))
         wall = time.perf_counter() - t0
     finally:
         core.on_step.remove(hook)
@@ -83,9 +71,41 @@ def run_batch(core: EngineCore, prompts: list[list[int]], params: SamplingParams
     tokens = sum(o.usage.completion_tokens for o in finals.values())
     ttft = [o.timings.ttft_ms / 1e3 for o in finals.values()]
     cached = sum(o.usage.cached_tokens for o in finals.values())
-    return BatchRun(wall, tokens, ttft, decode_tok_s=decode_tokens / decode_time if decode_time else None,
-                    cached_tokens=cached, full_decode_tokens=full_tokens, full_decode_s=full_time, steps=steps,
-                    profiled=[(dict(step_ops.op_split(prof)), dt) for prof, dt in profiles])
+    return BatchRun(wall, tokens, ttft,
+                    decode_tok_s=tally.decode_tokens / tally.decode_time if tally.decode_time else None,
+                    cached_tokens=cached, full_decode_tokens=tally.full_tokens, full_decode_s=tally.full_time,
+                    steps=tally.steps, profiled=[(dict(step_ops.op_split(prof)), dt) for prof, dt in profiles])
+
+
+def _step(core: EngineCore, profiled: bool) -> tuple[list[Any], float, Any]:
+    """One step, timed: (its outputs, seconds, the profiler when `profiled`, its ops labelled)."""
+    with step_ops.labelled(core) if profiled else contextlib.nullcontext(), \
+            profile(activities=[ProfilerActivity.CPU]) if profiled else contextlib.nullcontext() as prof:
+        s0 = time.perf_counter()
+        outputs = core.step()
+        dt = time.perf_counter() - s0
+    return outputs, dt, prof
+
+
+@dataclass
+class _Tally:
+    """Each unprofiled step's (decode rows, prefill tokens, seconds); the decode-only steps' tokens and
+    time, and those of the steps in which all `batch` requests decode (`full_*`)."""
+
+    steps: list[tuple[int, int, float]] = field(default_factory=list)
+    decode_tokens: int = 0
+    decode_time: float = 0.0
+    full_tokens: int = 0
+    full_time: float = 0.0
+
+    def add(self, plan: StepPlan, dt: float, batch: int) -> None:
+        self.steps.append((len(plan.decode), sum(e.num_tokens for e in plan.prefill), dt))
+        if not plan.prefill and plan.decode:
+            self.decode_tokens += len(plan.decode)
+            self.decode_time += dt
+            if len(plan.decode) == batch:
+                self.full_tokens += batch
+                self.full_time += dt
 
 
 def fresh_core(ctx: Any, **overrides: Any) -> EngineCore:

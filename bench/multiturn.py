@@ -28,6 +28,8 @@ from chatcore.bench import baselines
 from chatcore.bench.common import Context, median, target
 from chatcore.bench.engine_runs import fresh_core, run_batch
 from chatcore.bench.workload import text_of_tokens
+from chatcore.engine.core import EngineCore
+from chatcore.engine.outputs import RequestOutput
 from chatcore.engine.request import SamplingParams
 
 IM_END, NEWLINE = 2, 198
@@ -76,38 +78,50 @@ def run(ctx: Context) -> dict[str, Any]:
                 prompts.append(prompt)
             elif prompt != prompts[turn]:
                 raise RuntimeError("greedy answers differ between repeats: the history is not reproducible")
-            req = core.make_request(prompt, params, scope_key=scope)
-            core.add(req)
-            final = None
-            while core.has_work:
-                for out in core.step():
-                    if out.finished:
-                        final = out
-            assert final is not None and final.error is None, final and final.error
+            final = _one_turn(core, prompt, params, scope)
             on[turn].append(final.timings.ttft_ms)
             cached[turn] = final.usage.cached_tokens
             history = prompt + final.outputs[0].token_ids + [IM_END, NEWLINE]
             # The baselines on the same prompt, right after (interleaved: load drifts hit all three).
             if turn + 1 in measured:
-                run = run_batch(off_core, [prompt], first, scope_key=f"off-{uuid.uuid4().hex}")
-                if run.cached_tokens:
-                    raise RuntimeError("the prefix-cache-off run found cached tokens")
-                off[turn + 1].append(run.ttft_s[0] * 1e3)
-                hf[turn + 1].append(baselines.hf_one(model, prompt, 1)[1] * 1e3)
+                off_ms, hf_ms = _cold_answers(off_core, model, prompt, first)
+                off[turn + 1].append(off_ms)
+                hf[turn + 1].append(hf_ms)
         last = measured[-1]
         ctx.log(f"  repeat {rep + 1}: turn {sz['turns']} TTFT {on[-1][-1]:.0f} ms ({cached[-1]} of "
                 f"{len(prompts[-1])} prompt tokens cached); turn {last} without the prefix cache "
                 f"{off[last][-1]:.0f} ms, transformers {hf[last][-1]:.0f} ms")
+    turns = [{"turn": i + 1, "prompt_tokens": len(prompt), "cached_tokens": cached[i],
+              "chatcore_ttft_ms": median(on[i]),
+              "chatcore_no_cache_ttft_ms": median(off[i + 1]) if i + 1 in off else None,
+              "hf_generate_ttft_ms": median(hf[i + 1]) if i + 1 in hf else None}
+             for i, prompt in enumerate(prompts)]
+    return _result(sz, reps, turns, off, hf)
 
-    turns = []
-    for i, prompt in enumerate(prompts):
-        t = i + 1
-        turns.append({
-            "turn": t, "prompt_tokens": len(prompt), "cached_tokens": cached[i],
-            "chatcore_ttft_ms": median(on[i]),
-            "chatcore_no_cache_ttft_ms": median(off[t]) if t in off else None,
-            "hf_generate_ttft_ms": median(hf[t]) if t in hf else None,
-        })
+
+def _one_turn(core: EngineCore, prompt: list[int], params: SamplingParams, scope: str) -> RequestOutput:
+    """The turn's request stepped to its end on `core`: its final output."""
+    core.add(core.make_request(prompt, params, scope_key=scope))
+    final = None
+    while core.has_work:
+        for out in core.step():
+            if out.finished:
+                final = out
+    assert final is not None and final.error is None, final and final.error
+    return final
+
+
+def _cold_answers(off_core: EngineCore, model: Any, prompt: list[int], first: SamplingParams) -> tuple[float, float]:
+    """TTFT (ms) of `prompt` with the prefix cache off (a fresh scope), and of transformers' `generate`."""
+    run = run_batch(off_core, [prompt], first, scope_key=f"off-{uuid.uuid4().hex}")
+    if run.cached_tokens:
+        raise RuntimeError("the prefix-cache-off run found cached tokens")
+    return run.ttft_s[0] * 1e3, baselines.hf_one(model, prompt, 1)[1] * 1e3
+
+
+def _result(sz: dict[str, Any], reps: int, turns: list[dict[str, Any]], off: dict[int, list[float]],
+            hf: dict[int, list[float]]) -> dict[str, Any]:
+    """The suite's result: the last turn's TTFT against the faster cold answer, judged by its target."""
     last = turns[-1]
     # The faster cold answer is the baseline; its per-repeat values judge whether it moved.
     cold_name, cold, cold_runs = min(

@@ -1,25 +1,45 @@
-"""PNG plots of each suite's results (matplotlib, no display needed)."""
+"""PNG plots of each suite's results (matplotlib, no display needed).
+
+matplotlib is a development dependency and the wheel ships this module, so it is imported only
+when a plot is drawn (`_pyplot`); `chatcore bench` checks `available()` first and says plots need it.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-import matplotlib.ticker
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+MISSING = ("plots need matplotlib, a development dependency (pip install matplotlib); results.json and table.md "
+           "are written without them")
 
 LABELS = {"chatcore": "chatcore", "hf_sequential": "HF generate\n(one at a time)", "hf_static": "HF static batch",
           "hf_generate_batch": "HF generate_batch\n(CB, sharing)"}
+
+
+def available() -> bool:
+    """Whether matplotlib imports here, so that `plot` can draw."""
+    try:
+        _pyplot()
+    except ImportError:
+        return False
+    return True
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (no display needed), imported at the first plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _save(fig: Any, out: Path, name: str) -> str:
     path = out / f"{name}.png"
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path.name
 
 
@@ -34,6 +54,7 @@ def _plot_single(r: dict[str, Any], out: Path) -> list[str]:
     names = {"chatcore": "chatcore", "hf_static": "HF static\ncache", "hf_static_compiled": "HF static\ncompiled",
              "llama_server": "llama-server"}
     systems = [k for k in names if r["systems"].get(k, {}).get("decode_tok_s")]
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.bar([names[k] for k in systems], [r["systems"][k]["decode_tok_s"] for k in systems],
            color=["tab:green" if k == "chatcore" else "tab:gray" for k in systems])
@@ -48,6 +69,7 @@ def _plot_single(r: dict[str, Any], out: Path) -> list[str]:
 
 def _plot_throughput(r: dict[str, Any], out: Path) -> list[str]:
     systems = [k for k in LABELS if r["systems"].get(k, {}).get("tok_s") is not None]
+    plt = _pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     tps = [r["systems"][k]["tok_s"] for k in systems]
     ttft = [r["systems"][k]["ttft_mean_s"] for k in systems]
@@ -64,6 +86,7 @@ def _plot_throughput(r: dict[str, Any], out: Path) -> list[str]:
 
 
 def _plot_multiturn(r: dict[str, Any], out: Path) -> list[str]:
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key, label, style in (("chatcore", "chatcore (prefix cache)", "o-"),
                               ("chatcore_no_cache", "chatcore, prefix cache off", "s--"),
@@ -81,6 +104,7 @@ def _plot_multiturn(r: dict[str, Any], out: Path) -> list[str]:
 
 
 def _plot_hitrate(r: dict[str, Any], out: Path) -> list[str]:
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     fractions = [row["cache_fraction"] for row in r["rows"]]
     labels = {"lru": "LRU", "pool_cost": "pool's cost policy (leaves, then least branched, of 16 LRU; default)",
@@ -101,6 +125,7 @@ def _plot_hitrate(r: dict[str, Any], out: Path) -> list[str]:
 
 def _plot_memory(r: dict[str, Any], out: Path) -> list[str]:
     schemes = list(r["schemes"])
+    plt = _pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     bars = a.bar(schemes, [r["schemes"][s]["waste_pct"] for s in schemes], color=["tab:green", "tab:blue", "tab:gray"])
     a.bar_label(bars, fmt="%.2f%%")
@@ -116,6 +141,7 @@ def _plot_memory(r: dict[str, Any], out: Path) -> list[str]:
 
 def _plot_sharing(r: dict[str, Any], out: Path) -> list[str]:
     cases = list(r["cases"])
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     x = range(len(cases))
     ax.bar([i - 0.2 for i in x], [r["cases"][c]["shared_peak_blocks"] for c in cases], 0.4, label="shared (chatcore)",
@@ -130,6 +156,7 @@ def _plot_sharing(r: dict[str, Any], out: Path) -> list[str]:
 
 def _plot_resume(r: dict[str, Any], out: Path) -> list[str]:
     rows = r["rows"]
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot([x["history_tokens"] for x in rows], [x["disk_ttft_ms"] for x in rows], "o-", label="disk tier")
     ax.plot([x["history_tokens"] for x in rows], [x["recompute_ttft_ms"] for x in rows], "s--", label="recompute")
@@ -141,6 +168,7 @@ def _plot_resume(r: dict[str, Any], out: Path) -> list[str]:
 
 
 def _plot_server(r: dict[str, Any], out: Path) -> list[str]:
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     names = ["in-process engine", "WebSocket server"]
     ax.bar(names, [r["engine"]["tok_s"], r["server"]["tok_s"]], color=["tab:green", "tab:blue"])
@@ -150,6 +178,7 @@ def _plot_server(r: dict[str, Any], out: Path) -> list[str]:
 
 
 def _plot_sessions(r: dict[str, Any], out: Path) -> list[str]:
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (name, run) in enumerate(r["runs"].items()):
         color = f"C{i}"
@@ -159,7 +188,7 @@ def _plot_sessions(r: dict[str, Any], out: Path) -> list[str]:
         ax.axhline(run["cold"]["ttft_ms"], color=color, linestyle="--", alpha=0.6, label=f"{name}: cold, final length")
         if "hot" in run:  # results of runs before the hot baseline have none
             ax.axhline(run["hot"]["ttft_ms"], color=color, linestyle="-.", alpha=0.6, label=f"{name}: hot, final turn")
-    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     ax.set_xlabel("turn (all sessions round-robin)")
     ax.set_ylabel("TTFT (ms)")
     ax.set_yscale("log")

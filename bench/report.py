@@ -33,10 +33,22 @@ def _num(value: Any, digits: int = 3) -> str:
 
 
 def markdown_table(data: dict[str, Any]) -> str:
-    machine = data.get("machine", {})
+    lines = _preamble(data.get("machine", {})) + _targets_table(data.get("targets", []))
+    suites = data.get("suites", {})
+    lines += _single_table(suites.get("single", {}))
+    lines += _throughput_table(suites.get("throughput", {}))
+    lines += _sessions_table(suites.get("sessions", {}))
+    for name, s in suites.items():
+        if s.get("error"):
+            lines.append(f"\nSuite {name} failed: {s['error']}")
+    return "\n".join(lines) + "\n"
+
+
+def _preamble(machine: dict[str, Any]) -> list[str]:
+    """The machine and the run's mode, and the targets table's header."""
     mode = "tiny" if machine.get("tiny") else "quick" if machine.get("quick") else "full"
     flags = ", ".join(machine.get("cpu_flags") or []) or "none of avx2, avx512f, avx512_bf16, amx_bf16"
-    lines = [
+    return [
         f"Measured on {machine.get('cpu', '?')} ({flags}), {machine.get('cores', '?')} cores, "
         f"{machine.get('threads', '?')} torch threads, torch {machine.get('torch', '?')}, transformers "
         f"{machine.get('transformers', '?')}, {machine.get('dtype', '?')}, {machine.get('weights', 'full')} weights, "
@@ -46,64 +58,75 @@ def markdown_table(data: dict[str, Any]) -> str:
         "| suite | target | measured | goal | |",
         "|---|---|---|---|---|",
     ]
-    for t in data.get("targets", []):
+
+
+def _targets_table(targets: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for t in targets:
         goal = "" if t["met"] is None else f"{t['op']} {_num(t['threshold'])}"
         verdict = t.get("verdict") or ("reported" if t["met"] is None else "met" if t["met"] else "missed")
         verdict = verdict if verdict in ("met", "reported") else f"**{verdict}**"
         lines.append(f"| {t['suite']} | {t['name']} | {_num(t['value'])} | {goal} | {verdict} |")
-    suites = data.get("suites", {})
-    lines += _single_table(suites.get("single", {}))
-    thr = suites.get("throughput", {}).get("systems")
-    if thr:
-        lines += ["", ("| system (throughput suite) | output tok/s | mean TTFT from arrival (s) | decode tok/s | "
-                       "prompt tokens from its prefix cache |"), "|---|---|---|---|---|"]
-        names = {"chatcore": "chatcore (in-process engine), prefix sharing",
-                 "chatcore_no_sharing": "chatcore, each request in its own cache scope (no sharing)",
-                 "hf_sequential": "transformers `generate`, one at a time",
-                 "hf_static": "transformers static batched `generate` (static cache)",
-                 "hf_generate_batch": "transformers `generate_batch` (CB, sharing)"}
-        for key, label in names.items():
-            s = thr.get(key, {})
-            cached = _num(s["cached_tokens"]) if key in ("chatcore", "chatcore_no_sharing", "hf_generate_batch") \
-                and "cached_tokens" in s else "n/a"
-            lines.append(f"| {label} | {_num(s.get('tok_s'))} | {_num(s.get('ttft_mean_s'))} | "
-                         f"{_num(s.get('decode_tok_s'))} | {cached} |")
-        share = suites["throughput"].get("shared_fraction")
-        if share is not None:
-            lines.append(f"\nWorkload: {len(suites['throughput'].get('prompt_tokens', []))} chats; "
-                         f"{_num(share * 100)}% of each prompt is a shared prefix "
-                         f"({suites['throughput'].get('shared_prefix_tokens')} tokens).")
-        lim = suites["throughput"].get("limit", {})
-        if "streaming_gemm_ceiling_tok_s" in lim:
-            lines.append("")
-            lines.append(f"Decode efficiency: chatcore's full-batch decode ({_num(thr['chatcore'].get('decode_tok_s'))} "
-                         f"tok/s) reaches {_num(lim['chatcore_decode_fraction_of_streaming'] * 100)}% of the "
-                         f"{_num(lim['streaming_gemm_ceiling_tok_s'])} tok/s that one step's matmuls allow with the "
-                         f"weights streaming from memory ({_num(lim['streaming_gemm_step_ms'])} ms per step), the "
-                         f"bound for this batch; and {_num(lim.get('chatcore_decode_fraction', 0) * 100)}% of a GEMM "
-                         f"of the step's shape with its weights in cache "
-                         f"({_num(lim.get('gemm_flops', 0) / 1e9)} GFLOP/s at "
-                         f"{'x'.join(str(d) for d in lim.get('gemm_shape', []))}).")
-        efficiency = suites["throughput"].get("efficiency", {})
-        eff = efficiency.get("summary")
-        if eff:
-            chunk = efficiency.get("chunk_tokens")
-            parts = ", ".join(f"{k} {_num(eff['breakdown_ms'][k])} ms ({_num(v * 100)}%)"
-                              for k, v in eff["breakdown_share"].items())
-            lines.append("")
-            lines.append(f"Efficiency ({efficiency['sizes']['requests']} chats decoding, sharing on): a step takes "
-                         f"{_num(eff['decode_step_ms'])} ms, {_num(eff['decode_ratio'])}x the "
-                         f"{_num(eff['chain_decode_ms'])} ms chain of the model's "
-                         f"{efficiency.get('chain_linears')} linears as torch.mm at the same rows. "
-                         f"Profiled, {_num(eff['profiled_step_ms'])} ms: {parts}; everything but the linears "
-                         f"{_num(eff['non_linear_over_linears'])}x the linears. Prefill in {chunk}-token "
-                         f"chunks: {_num(eff['prefill_tok_s'])} tok/s, {_num(eff['prefill_fraction'] * 100)}% of the "
-                         f"chain's {_num(eff['chain_tok_s'])} tok/s at {chunk} rows (the table above judges all three).")
-    lines += _sessions_table(suites.get("sessions", {}))
-    for name, s in suites.items():
-        if s.get("error"):
-            lines.append(f"\nSuite {name} failed: {s['error']}")
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+THROUGHPUT_SYSTEMS = {"chatcore": "chatcore (in-process engine), prefix sharing",
+                      "chatcore_no_sharing": "chatcore, each request in its own cache scope (no sharing)",
+                      "hf_sequential": "transformers `generate`, one at a time",
+                      "hf_static": "transformers static batched `generate` (static cache)",
+                      "hf_generate_batch": "transformers `generate_batch` (CB, sharing)"}
+
+
+def _throughput_table(suite: dict[str, Any]) -> list[str]:
+    thr = suite.get("systems")
+    if not thr:
+        return []
+    lines = ["", ("| system (throughput suite) | output tok/s | mean TTFT from arrival (s) | decode tok/s | "
+                  "prompt tokens from its prefix cache |"), "|---|---|---|---|---|"]
+    for key, label in THROUGHPUT_SYSTEMS.items():
+        s = thr.get(key, {})
+        cached = _num(s["cached_tokens"]) if key in ("chatcore", "chatcore_no_sharing", "hf_generate_batch") \
+            and "cached_tokens" in s else "n/a"
+        lines.append(f"| {label} | {_num(s.get('tok_s'))} | {_num(s.get('ttft_mean_s'))} | "
+                     f"{_num(s.get('decode_tok_s'))} | {cached} |")
+    share = suite.get("shared_fraction")
+    if share is not None:
+        lines.append(f"\nWorkload: {len(suite.get('prompt_tokens', []))} chats; "
+                     f"{_num(share * 100)}% of each prompt is a shared prefix "
+                     f"({suite.get('shared_prefix_tokens')} tokens).")
+    return lines + _decode_limit(suite.get("limit", {}), thr) + _efficiency(suite.get("efficiency", {}))
+
+
+def _decode_limit(lim: dict[str, Any], thr: dict[str, Any]) -> list[str]:
+    """chatcore's full-batch decode against the streaming-GEMM bound and a cached GEMM of the step's shape."""
+    if "streaming_gemm_ceiling_tok_s" not in lim:
+        return []
+    return ["", f"Decode efficiency: chatcore's full-batch decode ({_num(thr['chatcore'].get('decode_tok_s'))} "
+                f"tok/s) reaches {_num(lim['chatcore_decode_fraction_of_streaming'] * 100)}% of the "
+                f"{_num(lim['streaming_gemm_ceiling_tok_s'])} tok/s that one step's matmuls allow with the "
+                f"weights streaming from memory ({_num(lim['streaming_gemm_step_ms'])} ms per step), the "
+                f"bound for this batch; and {_num(lim.get('chatcore_decode_fraction', 0) * 100)}% of a GEMM "
+                f"of the step's shape with its weights in cache "
+                f"({_num(lim.get('gemm_flops', 0) / 1e9)} GFLOP/s at "
+                f"{'x'.join(str(d) for d in lim.get('gemm_shape', []))})."]
+
+
+def _efficiency(efficiency: dict[str, Any]) -> list[str]:
+    """The decode step and prefill chunk against the chain of the model's linears (the efficiency run)."""
+    eff = efficiency.get("summary")
+    if not eff:
+        return []
+    chunk = efficiency.get("chunk_tokens")
+    parts = ", ".join(f"{k} {_num(eff['breakdown_ms'][k])} ms ({_num(v * 100)}%)"
+                      for k, v in eff["breakdown_share"].items())
+    return ["", f"Efficiency ({efficiency['sizes']['requests']} chats decoding, sharing on): a step takes "
+                f"{_num(eff['decode_step_ms'])} ms, {_num(eff['decode_ratio'])}x the "
+                f"{_num(eff['chain_decode_ms'])} ms chain of the model's "
+                f"{efficiency.get('chain_linears')} linears as torch.mm at the same rows. "
+                f"Profiled, {_num(eff['profiled_step_ms'])} ms: {parts}; everything but the linears "
+                f"{_num(eff['non_linear_over_linears'])}x the linears. Prefill in {chunk}-token "
+                f"chunks: {_num(eff['prefill_tok_s'])} tok/s, {_num(eff['prefill_fraction'] * 100)}% of the "
+                f"chain's {_num(eff['chain_tok_s'])} tok/s at {chunk} rows (the table above judges all three)."]
 
 
 SINGLE_SYSTEMS = {"chatcore": "chatcore (in-process engine)",

@@ -99,81 +99,106 @@ def run(ctx: Context) -> dict[str, Any]:
     sz = sizes(ctx)
     tok = ctx.tokenizer
     root = Path(tempfile.mkdtemp(prefix="chatcore-bench-resume-"))
-    rng = random.Random(11)
     template = ChatTemplate(tok, ctx.loaded.stop_token_ids)
     _hf_cold(ctx, template, 200, "Warm-up.")  # untimed: first-forward costs (allocations, kernel choices)
-    hf_cold: list[tuple[int, dict]] = []
     try:
         plan = [(length, rep, mode) for length in sz["lengths"] for rep in range(sz["repeats"])
                 for mode in ("disk", "recompute")]
-        ctx.log(f"  server A: building {len(plan)} sessions")
-        server = live.start(ctx, root, kv_disk_gb=2)
-        try:
-            async def build_all() -> list[dict]:
-                jobs = [_build(server, tok, f"Session {i}: you are assistant number {i} of a study on caching.",
-                               length, sz["user_tokens"], random.Random(1000 + i)) for i, (length, _, _) in enumerate(plan)]
-                return await asyncio.gather(*jobs)
-
-            built = asyncio.run(build_all())
-        finally:
-            server.stop()
-        kv_dir = root / "kv"
-        files = sum(1 for _ in kv_dir.rglob("*.kvb")) if kv_dir.exists() else 0
-        if files == 0:
-            raise RuntimeError("the disk tier wrote no block files before the restart")
-
-        # B resumes from the disk tier; C gets a copy of the database only (no kv dir) and the disk
-        # tier off. Both run at once and take turns, so a load change hits both modes alike.
-        root_c = Path(tempfile.mkdtemp(prefix="chatcore-bench-resume-c-"))
-        for db in root.glob("chatcore.db*"):
-            shutil.copy(db, root_c / db.name)
-        resumed: dict[str, list[tuple[int, dict]]] = {"disk": [], "recompute": []}
-        ctx.log("  servers B (disk tier) and C (recompute): resuming, alternately")
-        servers: dict[str, Any] = {}
-        try:
-            servers.update(live.start_many(ctx, {"disk": (root, {"kv_disk_gb": 2}),
-                                                 "recompute": (root_c, {"kv_disk_gb": 0})}))
-            for server in servers.values():
-                asyncio.run(_warm(server, tok))
-            for (length, _, mode), b in zip(plan, built, strict=True):
-                content = text_of_tokens(tok, rng, 20, prefix="One more question:")
-                r = asyncio.run(_resume(servers[mode], b, content))
-                r["history_tokens"] = b["history_tokens"]
-                resumed[mode].append((length, r))
-                if mode == "disk":  # transformers' cold prefill at the same length, right after
-                    hf_cold.append((length, _hf_cold(ctx, template, r["prompt_tokens"],
-                                                     f"Cold prompt {len(hf_cold)} of {r['prompt_tokens']} tokens:")))
-        finally:
-            for server in servers.values():
-                server.stop()
-            shutil.rmtree(root_c, ignore_errors=True)
+        built, files = _build_all(ctx, root, plan, sz["user_tokens"])
+        resumed, hf_cold = _resume_all(ctx, root, plan, built, template)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    rows = [_row(ctx, length, resumed, hf_cold) for length in sz["lengths"]]
+    return _result(sz, rows, files)
 
-    rows = []
-    for length in sz["lengths"]:
-        disk = [r for n, r in resumed["disk"] if n == length]
-        rec = [r for n, r in resumed["recompute"] if n == length]
-        hf = [r for n, r in hf_cold if n == length]
-        rows.append({
-            "target_tokens": length,
-            "history_tokens": median([r["prompt_tokens"] for r in disk + rec]),
-            "disk_ttft_ms": median([r["ttft_ms"] for r in disk]),
-            "disk_client_ttft_ms": median([r["client_ttft_ms"] for r in disk if r["client_ttft_ms"]]),
-            "disk_cached_disk_tokens": median([r["cached_disk_tokens"] for r in disk]),
-            "recompute_ttft_ms": median([r["ttft_ms"] for r in rec]),
-            "recompute_client_ttft_ms": median([r["client_ttft_ms"] for r in rec if r["client_ttft_ms"]]),
-            "recompute_cached_tokens": median([r["cached_tokens"] for r in rec]),
-            "hf_cold_ttft_ms": median([r["ttft_ms"] for r in hf]),
-            "hf_cold_prompt_tokens": median([r["prompt_tokens"] for r in hf]),
-            "runs": {"disk": disk, "recompute": rec, "hf_cold": hf},
-        })
-        row = rows[-1]
-        row["ratio"] = row["disk_ttft_ms"] / row["recompute_ttft_ms"]
-        row["ratio_vs_hf_cold"] = row["disk_ttft_ms"] / row["hf_cold_ttft_ms"]
-        ctx.log(f"  {row['history_tokens']:.0f} tokens: disk {row['disk_ttft_ms']:.0f} ms "
-                f"({row['disk_cached_disk_tokens']:.0f} from disk) vs recompute {row['recompute_ttft_ms']:.0f} ms, "
-                f"transformers cold {row['hf_cold_ttft_ms']:.0f} ms")
+
+def _build_all(ctx: Context, root: Path, plan: list[tuple[int, int, str]],
+               user_tokens: int) -> tuple[list[dict], int]:
+    """Server A builds every planned session, writing through to the disk tier in `root`: (the sessions,
+    the block files written)."""
+    tok = ctx.tokenizer
+    ctx.log(f"  server A: building {len(plan)} sessions")
+    server = live.start(ctx, root, kv_disk_gb=2)
+    try:
+        async def build_all() -> list[dict]:
+            jobs = [_build(server, tok, f"Session {i}: you are assistant number {i} of a study on caching.",
+                           length, user_tokens, random.Random(1000 + i)) for i, (length, _, _) in enumerate(plan)]
+            return await asyncio.gather(*jobs)
+
+        built = asyncio.run(build_all())
+    finally:
+        server.stop()
+    kv_dir = root / "kv"
+    files = sum(1 for _ in kv_dir.rglob("*.kvb")) if kv_dir.exists() else 0
+    if files == 0:
+        raise RuntimeError("the disk tier wrote no block files before the restart")
+    return built, files
+
+
+def _resume_all(ctx: Context, root: Path, plan: list[tuple[int, int, str]], built: list[dict],
+                template: ChatTemplate) -> tuple[dict[str, list[tuple[int, dict]]], list[tuple[int, dict]]]:
+    """Each built session's next turn after the restart, per mode; and transformers' cold prefill at
+    each disk resume's length, right after it."""
+    tok = ctx.tokenizer
+    rng = random.Random(11)
+    hf_cold: list[tuple[int, dict]] = []
+    # B resumes from the disk tier; C gets a copy of the database only (no kv dir) and the disk
+    # tier off. Both run at once and take turns, so a load change hits both modes alike.
+    root_c = Path(tempfile.mkdtemp(prefix="chatcore-bench-resume-c-"))
+    for db in root.glob("chatcore.db*"):
+        shutil.copy(db, root_c / db.name)
+    resumed: dict[str, list[tuple[int, dict]]] = {"disk": [], "recompute": []}
+    ctx.log("  servers B (disk tier) and C (recompute): resuming, alternately")
+    servers: dict[str, Any] = {}
+    try:
+        servers.update(live.start_many(ctx, {"disk": (root, {"kv_disk_gb": 2}),
+                                             "recompute": (root_c, {"kv_disk_gb": 0})}))
+        for server in servers.values():
+            asyncio.run(_warm(server, tok))
+        for (length, _, mode), b in zip(plan, built, strict=True):
+            content = text_of_tokens(tok, rng, 20, prefix="One more question:")
+            r = asyncio.run(_resume(servers[mode], b, content))
+            r["history_tokens"] = b["history_tokens"]
+            resumed[mode].append((length, r))
+            if mode == "disk":  # transformers' cold prefill at the same length, right after
+                hf_cold.append((length, _hf_cold(ctx, template, r["prompt_tokens"],
+                                                 f"Cold prompt {len(hf_cold)} of {r['prompt_tokens']} tokens:")))
+    finally:
+        for server in servers.values():
+            server.stop()
+        shutil.rmtree(root_c, ignore_errors=True)
+    return resumed, hf_cold
+
+
+def _row(ctx: Context, length: int, resumed: dict[str, list[tuple[int, dict]]],
+         hf_cold: list[tuple[int, dict]]) -> dict[str, Any]:
+    """The medians at one history length, logged."""
+    disk = [r for n, r in resumed["disk"] if n == length]
+    rec = [r for n, r in resumed["recompute"] if n == length]
+    hf = [r for n, r in hf_cold if n == length]
+    row = {
+        "target_tokens": length,
+        "history_tokens": median([r["prompt_tokens"] for r in disk + rec]),
+        "disk_ttft_ms": median([r["ttft_ms"] for r in disk]),
+        "disk_client_ttft_ms": median([r["client_ttft_ms"] for r in disk if r["client_ttft_ms"]]),
+        "disk_cached_disk_tokens": median([r["cached_disk_tokens"] for r in disk]),
+        "recompute_ttft_ms": median([r["ttft_ms"] for r in rec]),
+        "recompute_client_ttft_ms": median([r["client_ttft_ms"] for r in rec if r["client_ttft_ms"]]),
+        "recompute_cached_tokens": median([r["cached_tokens"] for r in rec]),
+        "hf_cold_ttft_ms": median([r["ttft_ms"] for r in hf]),
+        "hf_cold_prompt_tokens": median([r["prompt_tokens"] for r in hf]),
+        "runs": {"disk": disk, "recompute": rec, "hf_cold": hf},
+    }
+    row["ratio"] = row["disk_ttft_ms"] / row["recompute_ttft_ms"]
+    row["ratio_vs_hf_cold"] = row["disk_ttft_ms"] / row["hf_cold_ttft_ms"]
+    ctx.log(f"  {row['history_tokens']:.0f} tokens: disk {row['disk_ttft_ms']:.0f} ms "
+            f"({row['disk_cached_disk_tokens']:.0f} from disk) vs recompute {row['recompute_ttft_ms']:.0f} ms, "
+            f"transformers cold {row['hf_cold_ttft_ms']:.0f} ms")
+    return row
+
+
+def _result(sz: dict[str, Any], rows: list[dict[str, Any]], files: int) -> dict[str, Any]:
+    """The suite's result: the longest history's resume against recompute (its target) and transformers."""
     last = rows[-1]
     recompute = [r["ttft_ms"] for r in last["runs"]["recompute"]]
     hf = [r["ttft_ms"] for r in last["runs"]["hf_cold"]]

@@ -86,6 +86,20 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "runs": runs}
 
 
+def _start_both(ctx: Context, root: Path) -> tuple[InferenceEngine, Any]:
+    """The in-process engine and a `chatcore serve` process (its data in `root`), started together."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:  # the server loads its model while this process builds its engine
+        starting = pool.submit(live.start, ctx, root, kv_disk_gb=0)
+        engine = InferenceEngine.launch(ctx.engine_settings(kv_cache_gb=1.0), ctx.loaded)
+        try:
+            return engine, starting.result()
+        except Exception:
+            engine.shutdown()
+            raise
+
+
 def run(ctx: Context) -> dict[str, Any]:
     sz = sizes(ctx)
     reps = 1 if (ctx.quick or ctx.tiny) else 5
@@ -95,16 +109,7 @@ def run(ctx: Context) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="chatcore-bench-server-"))
     engine_runs: list[dict[str, Any]] = []
     server_runs: list[dict[str, Any]] = []
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(1) as pool:  # the server loads its model while this process builds its engine
-        starting = pool.submit(live.start, ctx, root, kv_disk_gb=0)
-        engine = InferenceEngine.launch(ctx.engine_settings(kv_cache_gb=1.0), ctx.loaded)
-        try:
-            server = starting.result()
-        except Exception:
-            engine.shutdown()
-            raise
+    engine, server = _start_both(ctx, root)
     try:
         # Repeat 0 is a short warm-up of both; then the two alternate, so load drifts hit both.
         for rep, (system, users) in enumerate(ctx.each_repeat(workloads)):

@@ -36,6 +36,7 @@ from chatcore.bench import baselines, efficiency
 from chatcore.bench.common import Context, GemmChain, gemm_flops, median, num_params, target
 from chatcore.bench.engine_runs import chat_prompts, fresh_core, run_batch
 from chatcore.bench.workload import chat_workload
+from chatcore.engine.core import EngineCore
 from chatcore.engine.request import SamplingParams
 
 
@@ -69,32 +70,54 @@ def run(ctx: Context) -> dict[str, Any]:
     tok = ctx.tokenizer
     system, users = chat_workload(tok, sz["requests"], sz["system"], sz["user"], seed=1)
     prompts = chat_prompts(tok, system, users)
-    new = sz["new_tokens"]
-    params = SamplingParams(max_tokens=new, ignore_eos=True)
     reps = ctx.repeats
     result: dict[str, Any] = {"sizes": sz, "prompt_tokens": [len(p) for p in prompts], "repeats": reps}
-    warm = prompts[:2]
-
-    # Warm-up: one short untimed run of each system (first-call costs: allocations, kernel choices).
     core = fresh_core(ctx)
-    model = ctx.hf_model
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    seq_prompts = prompts[: sz["sequential_requests"]]
-    run_batch(core, warm, SamplingParams(max_tokens=4, ignore_eos=True))
-    baselines.hf_one(model, warm[0], 2)
-    baselines.hf_static(model, warm, 2, pad, config=baselines.static_cache_config(model, 2, pad))
-    cb_error = None
-    try:
-        baselines.hf_continuous(model, warm, 2)
-    except Exception as exc:  # an API change must not sink the whole suite
-        cb_error = f"{type(exc).__name__}: {exc}"
-
-    # Repeats interleave the systems, so a load change on this shared machine hits all of them.
-    runs: dict[str, list[baselines.BatchRun]] = {"chatcore": [], "chatcore_no_sharing": [], "hf_sequential": [],
-                                                 "hf_static": [], "hf_generate_batch": []}
+    cb_error = _warm_up(ctx, core, prompts[:2], pad)
     config = ctx.hf_model.config
     gemm_shape = [sz["requests"], config.hidden_size, config.intermediate_size]
     chain = GemmChain(ctx.loaded.model, ctx.dtype, ctx.loaded.device)  # every linear's shape, as one torch.mm each
+    runs, gemms, steps = _measure(ctx, sz, core, prompts, pad, chain, gemm_shape, run_cb=cb_error is None)
+    systems = _systems(runs, min(len(prompts), sz["sequential_requests"]), cb_error)
+    result["systems"] = systems
+    result["limit"] = _limit(ctx, sz, runs, systems, gemms, steps, gemm_shape)
+    shared = len(_common_prefix(prompts))
+    result["shared_fraction"] = shared / (sum(map(len, prompts)) / len(prompts))
+    result["shared_prefix_tokens"] = shared
+    ratio_runs = _ratio_runs(runs)
+    result["ratio_runs"] = ratio_runs
+    result["ratios"] = {k: median(v) if v else float("nan") for k, v in ratio_runs.items()}
+    result["targets"] = _targets(runs, systems, result, len(prompts))
+    result["efficiency"] = efficiency.run(ctx, core, chain)
+    result["targets"] += result["efficiency"].pop("targets")
+    return result
+
+
+def _warm_up(ctx: Context, core: EngineCore, warm: list[list[int]], pad: int) -> str | None:
+    """One short untimed run of each system (first-call costs: allocations, kernel choices); the error of
+    transformers' continuous batching, if it failed (an API change must not sink the whole suite)."""
+    model = ctx.hf_model
+    run_batch(core, warm, SamplingParams(max_tokens=4, ignore_eos=True))
+    baselines.hf_one(model, warm[0], 2)
+    baselines.hf_static(model, warm, 2, pad, config=baselines.static_cache_config(model, 2, pad))
+    try:
+        baselines.hf_continuous(model, warm, 2)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _measure(ctx: Context, sz: dict[str, Any], core: EngineCore, prompts: list[list[int]], pad: int,
+             chain: GemmChain, gemm_shape: list[int], *,
+             run_cb: bool) -> tuple[dict[str, list[baselines.BatchRun]], list[float], list[float]]:
+    """Every repeat of every system, interleaved so a load change on this shared machine hits all of them,
+    and the ceilings right after chatcore's run: (runs per system, GEMM FLOP/s, streaming step seconds)."""
+    model, new, reps = ctx.hf_model, sz["new_tokens"], ctx.repeats
+    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    seq_prompts = prompts[: sz["sequential_requests"]]
+    runs: dict[str, list[baselines.BatchRun]] = {"chatcore": [], "chatcore_no_sharing": [], "hf_sequential": [],
+                                                 "hf_static": [], "hf_generate_batch": []}
     gemms: list[float] = []
     steps: list[float] = []
     for rep in ctx.each_repeat(range(reps)):
@@ -109,23 +132,31 @@ def run(ctx: Context) -> dict[str, Any]:
         runs["hf_sequential"].append(baselines.hf_sequential(model, seq_prompts, new))
         runs["hf_static"].append(baselines.hf_static(model, prompts, new, pad,
                                                      config=baselines.static_cache_config(model, new, pad)))
-        if cb_error is None:
+        if run_cb:
             runs["hf_generate_batch"].append(baselines.hf_continuous(model, prompts, new))
         ctx.log("    tok/s: " + ", ".join(f"{k} {v[-1].tok_s:.1f}" for k, v in runs.items() if v))
+    return runs, gemms, steps
+
+
+def _systems(runs: dict[str, list[baselines.BatchRun]], sequential: int, cb_error: str | None) -> dict[str, Any]:
+    """Each system's medians; `sequential`: the requests the one-at-a-time baseline ran."""
     systems: dict[str, Any] = {name: summarize(r) for name, r in runs.items() if r}
-    systems["hf_sequential"]["requests"] = len(seq_prompts)
+    systems["hf_sequential"]["requests"] = sequential
     if cb_error is not None:
         systems["hf_generate_batch"] = {"error": cb_error, "tok_s": float("nan")}
     systems["llama_cpp"] = {"skipped": "llama-cpp-python is not installed (optional anchor)"}
-    result["systems"] = systems
+    return systems
 
-    # The physical limit, per repeat (decode rate / the ceilings measured right after it), then medians.
+
+def _limit(ctx: Context, sz: dict[str, Any], runs: dict[str, list[baselines.BatchRun]], systems: dict[str, Any],
+           gemms: list[float], steps: list[float], gemm_shape: list[int]) -> dict[str, Any]:
+    """The physical limit, per repeat (decode rate / the ceilings measured right after it), then medians."""
     params_count = num_params(ctx.hf_model)
     decodes = [r.decode_tok_s or float("nan") for r in runs["chatcore"]]
     gemm = median(gemms)
     step_s = median(steps)
     decode = systems["chatcore"]["decode_tok_s"] or float("nan")
-    result["limit"] = {
+    limit = {
         "params": params_count,
         "gemm_shape": gemm_shape,
         "gemm_flops": gemm,
@@ -143,14 +174,12 @@ def run(ctx: Context) -> dict[str, Any]:
     for name in ("hf_static", "hf_generate_batch", "hf_sequential"):
         d = systems[name].get("decode_tok_s")
         if d:
-            result["limit"][f"{name}_decode_fraction"] = 2 * params_count * d / gemm
+            limit[f"{name}_decode_fraction"] = 2 * params_count * d / gemm
+    return limit
 
-    ours = systems["chatcore"]["tok_s"]
-    alone = systems["chatcore_no_sharing"]["tok_s"]
-    static = systems["hf_static"]
-    shared = len(_common_prefix(prompts))
-    result["shared_fraction"] = shared / (sum(map(len, prompts)) / len(prompts))
-    result["shared_prefix_tokens"] = shared
+
+def _ratio_runs(runs: dict[str, list[baselines.BatchRun]]) -> dict[str, list[float]]:
+    """chatcore / each baseline within each repeat (throughput, and mean TTFT against static batching)."""
 
     def per_repeat(ours_runs: list[baselines.BatchRun], key: str) -> list[float]:
         """(chatcore / baseline) within each repeat."""
@@ -161,9 +190,16 @@ def run(ctx: Context) -> dict[str, Any]:
     ratio_runs["ttft_vs_hf_static"] = [
         (sum(a.ttft_s) / len(a.ttft_s)) / (sum(b.ttft_s) / len(b.ttft_s))
         for a, b in zip(runs["chatcore"], runs["hf_static"], strict=True)]
-    result["ratio_runs"] = ratio_runs
-    result["ratios"] = {k: median(v) if v else float("nan") for k, v in ratio_runs.items()}
-    n = len(prompts)
+    return ratio_runs
+
+
+def _targets(runs: dict[str, list[baselines.BatchRun]], systems: dict[str, Any], result: dict[str, Any],
+             n: int) -> list[dict[str, Any]]:
+    """The suite's targets, judged on the per-repeat ratios in `result`."""
+    ours = systems["chatcore"]["tok_s"]
+    alone = systems["chatcore_no_sharing"]["tok_s"]
+    static = systems["hf_static"]
+    ratio_runs = result["ratio_runs"]
     seq_n = systems["hf_sequential"]["requests"]
 
     def tok_s(key: str) -> list[float]:
@@ -171,7 +207,7 @@ def run(ctx: Context) -> dict[str, Any]:
 
     static_name = f"transformers static-cache batched generate, {n} chats"
     mean_ttft = [sum(r.ttft_s) / len(r.ttft_s) for r in runs["hf_static"]]
-    result["targets"] = [
+    return [
         target("throughput without sharing >= 1.3x static batched generate", result["ratios"]["no_sharing_vs_hf_static"],
                ">=", 1.3, f"chatcore without sharing {alone:.1f} tok/s vs {static_name}: {static['tok_s']:.1f} tok/s, "
                "the same tokens computed", ratio_runs["no_sharing_vs_hf_static"], baseline_runs=tok_s("hf_static")),
@@ -191,9 +227,6 @@ def run(ctx: Context) -> dict[str, Any]:
                f"{n} chats: {systems['hf_generate_batch'].get('tok_s', float('nan')):.1f} tok/s",
                ratio_runs["vs_hf_generate_batch"], baseline_runs=tok_s("hf_generate_batch")),
     ]
-    result["efficiency"] = efficiency.run(ctx, core, chain)
-    result["targets"] += result["efficiency"].pop("targets")
-    return result
 
 
 def _common_prefix(prompts: list[list[int]]) -> list[int]:

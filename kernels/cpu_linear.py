@@ -78,6 +78,32 @@ def linear(x: torch.Tensor, laid_out: torch.Tensor, out_features: int, bias: tor
     than `MAX_ROWS` rows, a `residual` not of the output's shape; all on the CPU, the bias and the
     residual at even addresses (read as uint16_t; `x` and the weight with unaligned vector loads).
     RuntimeError where the kernel is not available."""
+    rows, in_features, group_rows, out_shape = _checked_shapes(x, laid_out, out_features, bias, residual)
+    bias_at = residual_at = 0  # NULL: none
+    if bias is not None:
+        bias = bias.detach().to(_BF16).contiguous()
+        bias_at = bias.data_ptr()
+    if residual is not None:
+        residual = residual.contiguous()
+        residual_at = residual.data_ptr()
+    if (bias_at | residual_at) & 1:
+        raise ValueError("the bias and the residual must start at 2-byte boundaries (the C reads uint16_t)")
+    kernel = _kernel()
+    if kernel is None:
+        raise RuntimeError("the C few-row linear is not available here (it needs AVX512-BF16)")
+    if group_rows != kernel[1]:
+        raise ValueError(f"laid_out has groups of {group_rows} rows, the C linear reads groups of {kernel[1]}")
+    x = x.contiguous()
+    out = torch.empty(out_shape, dtype=_BF16)
+    with native.traced(PROFILER_NAME):
+        kernel[0](x.data_ptr(), laid_out.data_ptr(), bias_at or None, residual_at or None, out.data_ptr(), rows,
+                  out_features, in_features, torch.get_num_threads())
+    return out
+
+
+def _checked_shapes(x: torch.Tensor, laid_out: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+                    residual: torch.Tensor | None) -> tuple[int, int, int, tuple[int, ...]]:
+    """`linear`'s metadata checks, in its order: (rows, in_features, rows per group, the output's shape)."""
     weight_shape = laid_out.shape
     if (len(weight_shape) != 4 or weight_shape[3] != COLUMNS or not weight_shape[1] or laid_out.dtype is not _BF16
             or not laid_out.is_cpu or not laid_out.is_contiguous()):
@@ -100,23 +126,4 @@ def linear(x: torch.Tensor, laid_out: torch.Tensor, out_features: int, bias: tor
     if residual is not None and (residual.shape != out_shape or residual.dtype is not _BF16 or not residual.is_cpu):
         raise ValueError(f"the residual must be bfloat16 {out_shape} on the CPU, not {residual.dtype} "
                          f"{tuple(residual.shape)} on {residual.device}")
-    bias_at = residual_at = 0  # NULL: none
-    if bias is not None:
-        bias = bias.detach().to(_BF16).contiguous()
-        bias_at = bias.data_ptr()
-    if residual is not None:
-        residual = residual.contiguous()
-        residual_at = residual.data_ptr()
-    if (bias_at | residual_at) & 1:
-        raise ValueError("the bias and the residual must start at 2-byte boundaries (the C reads uint16_t)")
-    kernel = _kernel()
-    if kernel is None:
-        raise RuntimeError("the C few-row linear is not available here (it needs AVX512-BF16)")
-    if group_rows != kernel[1]:
-        raise ValueError(f"laid_out has groups of {group_rows} rows, the C linear reads groups of {kernel[1]}")
-    x = x.contiguous()
-    out = torch.empty(out_shape, dtype=_BF16)
-    with native.traced(PROFILER_NAME):
-        kernel[0](x.data_ptr(), laid_out.data_ptr(), bias_at or None, residual_at or None, out.data_ptr(), rows,
-                  out_features, in_features, torch.get_num_threads())
-    return out
+    return rows, in_features, group_rows, out_shape

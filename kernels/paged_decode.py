@@ -224,40 +224,24 @@ def pick_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, sm_count
     return max(1, min(wanted, worthwhile, _MAX_SPLITS))
 
 
-def paged_decode_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    num_splits: int | None,
-    out: torch.Tensor | None,
-) -> torch.Tensor:
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           num_splits: int | None, out: torch.Tensor | None) -> torch.Tensor:
     """Launch the decode pass (and the reduction when split). Arguments already validated."""
     require_launchable(query)
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    if block_size & (block_size - 1):
-        raise ValueError(f"the Triton kernel needs a power-of-two block_size, got {block_size}")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError("num_splits must be >= 1")
+    _check_launch(block_size, num_splits)
     if out is None:
         out = torch.empty_like(query)
     if num_seqs == 0:
         return out
     if num_splits is None:
-        sm_count = _sm_count(query.device) if query.is_cuda and not interpreted() else _NOMINAL_SM_COUNT
-        num_splits = pick_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, sm_count)
+        num_splits = _default_splits(query, num_kv_heads, block_tables.shape[1] * block_size)
 
     group = num_heads // num_kv_heads
     head_dim_pad = max(_MIN_DOT_COLS, triton.next_power_of_2(head_dim))
-    if num_splits == 1:
-        part_acc = part_m = part_l = out  # unused by the single-split path
-    else:
-        part_m = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
+    part_acc, part_m, part_l = _partials(query, out, num_splits)
 
     _decode[(num_seqs, num_kv_heads, num_splits)](
         query,
@@ -287,17 +271,50 @@ def paged_decode_attention(
         num_warps=4,
     )
     if num_splits > 1:
-        _reduce[(num_seqs, num_heads)](
-            part_acc,
-            part_m,
-            part_l,
-            out,
-            num_heads,
-            *out.stride(),
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-            NUM_SPLITS=num_splits,
-            num_warps=1,
-        )
+        _reduce_splits(part_acc, part_m, part_l, out, head_dim_pad)
     return out
+
+
+def _check_launch(block_size: int, num_splits: int | None) -> None:
+    """What the Triton kernel needs beyond the validated arguments: a power-of-two block size, a split or more."""
+    if block_size & (block_size - 1):
+        raise ValueError(f"the Triton kernel needs a power-of-two block_size, got {block_size}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError("num_splits must be >= 1")
+
+
+def _default_splits(query: torch.Tensor, num_kv_heads: int, max_context: int) -> int:
+    """`pick_num_splits` for this device's SM count (a nominal one in the interpreter)."""
+    sm_count = _sm_count(query.device) if query.is_cuda and not interpreted() else _NOMINAL_SM_COUNT
+    return pick_num_splits(query.shape[0], num_kv_heads, max_context, sm_count)
+
+
+def _partials(query: torch.Tensor, out: torch.Tensor,
+              num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split pass's unnormalised partials (acc, m, l); with one split, `out` three times (unused)."""
+    if num_splits == 1:
+        return out, out, out
+    num_seqs, num_heads, head_dim = query.shape
+    part_m = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
+    return part_acc, part_m, part_l
+
+
+def _reduce_splits(part_acc: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor,
+                   head_dim_pad: int) -> None:
+    """The reduction pass: rescale and sum each row's split partials into `out` (the query's shape)."""
+    num_seqs, num_heads, num_splits, head_dim = part_acc.shape
+    _reduce[(num_seqs, num_heads)](
+        part_acc,
+        part_m,
+        part_l,
+        out,
+        num_heads,
+        *out.stride(),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        NUM_SPLITS=num_splits,
+        num_warps=1,
+    )
 

@@ -8,7 +8,9 @@ measure the core itself. The door takes typed commands only: no `call`, `on_thre
 
 Every unit (a package, or a top-level module) imports only the units docs/architecture.md's
 `layers` block allows it: the documented graph is the code's graph, store, kernels, bench and the
-top-level modules included.
+top-level modules included. Its module table names every module of chatcore/ and kernels/, and
+every file it names exists; docs/benchmarks.md names every module of bench/. Every scan walks the
+package with its links (`chatcore/kernels`, `chatcore/bench`) followed (tests/shipped_sources.py).
 """
 
 from __future__ import annotations
@@ -17,10 +19,8 @@ import ast
 import re
 from pathlib import Path
 
-import chatcore
+from tests.shipped_sources import REPO, ROOT, relative, shipped_files
 
-ROOT = Path(chatcore.__file__).parent
-REPO = ROOT.parent
 BEHIND_THE_DOOR = {"EngineCore", "Scheduler", "BlockPool", "KVCacheManager"}
 HIDDEN_MODULES = {"chatcore.engine.core", "chatcore.engine.scheduler", "chatcore.cache.pool",
                   "chatcore.engine.kv_manager", "chatcore.engine.command_handlers"}
@@ -29,9 +29,8 @@ INSIDE = ("engine", "cache", "bench")  # the units that may use what is behind t
 
 
 def module_name(path: Path) -> str:
-    """`chatcore.x.y` for a file under chatcore/, kernels/ or bench/ (the last two are linked into chatcore)."""
+    """`chatcore.x.y` for a file under chatcore/ (kernels/ and bench/ through their links)."""
     parts = path.relative_to(REPO).with_suffix("").parts
-    parts = parts if parts[0] == "chatcore" else ("chatcore", *parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -98,10 +97,8 @@ def layer_violations(source: str, module: str, layers: dict[str, set[str]]) -> l
 
 
 def sources() -> list[tuple[str, str]]:
-    """Every module of the package: chatcore/ (whose links are not followed), kernels/ and bench/."""
-    paths = [p for p in ROOT.rglob("*.py") if p.relative_to(ROOT).parts[0] not in ("kernels", "bench")]
-    paths += [p for folder in ("kernels", "bench") for p in (REPO / folder).rglob("*.py")]
-    return [(module_name(path), path.read_text(encoding="utf-8")) for path in sorted(paths)]
+    """Every module of the package: chatcore/, its links to kernels/ and bench/ followed."""
+    return [(module_name(path), path.read_text(encoding="utf-8")) for path in shipped_files()]
 
 
 def test_nothing_outside_the_engine_gets_behind_its_door() -> None:
@@ -152,9 +149,61 @@ def test_the_checks_catch_what_they_look_for() -> None:
     assert layer_violations("from chatcore.cache import BlockTable", "chatcore.engine.core", layers) == []
 
 
-def test_every_module_is_documented() -> None:
-    """docs/architecture.md names every module of chatcore/ and kernels/ (bench/'s are in docs/benchmarks.md)."""
-    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
-    missing = [m for m, _ in sources() if m != "chatcore" and unit_of(m) != "bench" and m.rsplit(".", 1)[-1] not in text
-               and not m.endswith("__init__")]
+def module_table(text: str) -> list[str]:
+    """The files docs/architecture.md's `| module | owns | may call |` table names, relative to chatcore/.
+
+    A cell lists backticked names; `engine/core.py` names its folder, and the names after it without
+    one (`beam.py`) are in the same folder; `store/repos/*` is every module of that folder.
+    """
+    rows = text.split("| module | owns | may call |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    named = []
+    for row in rows:
+        folder = ""
+        for name in re.findall(r"`([^`]+)`", row.split("|")[1]):
+            if "/" in name and (ROOT / name.split("/")[0]).is_dir():
+                folder = name.split("/")[0]
+                named.append(name)
+            else:
+                named.append(f"{folder}/{name}" if folder else name)
+    return named
+
+
+def table_gaps(named: list[str], modules: list[str]) -> tuple[list[str], list[str]]:
+    """(modules, as paths under chatcore/, the table does not name; names that are no file)."""
+    folders = [n.removesuffix("*") for n in named if n.endswith("/*")]
+    missing = [m for m in modules if m not in named and not any(m.startswith(f) for f in folders)]
+    gone = [n for n in named if not (n.endswith("/*") and (ROOT / n[:-2]).is_dir()) and not (ROOT / n).is_file()]
+    return missing, gone
+
+
+def _table_modules() -> list[str]:
+    """Every module of chatcore/ (kernels/ linked in) as a path under it; bench/'s are in docs/benchmarks.md."""
+    paths = [relative(p).removeprefix("chatcore/") for p in shipped_files()]
+    return [p for p in paths if "/" in p and not p.startswith("bench/") and not p.endswith("__init__.py")
+            or "/" not in p and p != "__init__.py"]
+
+
+def test_the_module_table_names_every_module_and_no_gone_one() -> None:
+    """docs/architecture.md's module table names every module of chatcore/ and kernels/, and each file it names exists."""
+    named = module_table((REPO / "docs" / "architecture.md").read_text(encoding="utf-8"))
+    modules = _table_modules()
+    assert {"kernels/paged_decode.py", "engine/core.py", "cli.py"} <= set(modules)  # the links are followed
+    assert table_gaps(named, modules) == ([], [])
+
+
+def test_the_module_table_check_sees_gaps() -> None:
+    table = ("| module | owns | may call |\n|---|---|---|\n| `engine/core.py`, `beam.py` | x | y |\n"
+             "| `store/repos/*`, `db.py` | x | y |\n| `cli.py` | x | y |\n\nafter")
+    named = module_table(table)
+    assert named == ["engine/core.py", "engine/beam.py", "store/repos/*", "store/db.py", "cli.py"]
+    assert table_gaps(named, ["engine/core.py", "engine/beam.py", "store/repos/turns.py", "store/db.py", "cli.py"]) \
+        == ([], [])
+    assert table_gaps(named + ["engine/gone.py"], ["engine/core.py", "engine/runner.py", "store/repos/turns.py"]) \
+        == (["engine/runner.py"], ["engine/gone.py"])
+
+
+def test_every_bench_module_is_documented() -> None:
+    """docs/benchmarks.md names every module of bench/ (through the link)."""
+    text = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    missing = [m for m, _ in sources() if m.startswith("chatcore.bench.") and m.rsplit(".", 1)[-1] not in text]
     assert missing == []

@@ -10,14 +10,12 @@ invented outside outcomes.py. Finish reasons share some values ("busy", "conflic
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-import chatcore
 from chatcore.outcomes import ErrorCode
 from chatcore.server.errors import HTTP_STATUS, STATUS_CODE, ApiError
 from chatcore.sessions import errors as session_errors
+from tests.shipped_sources import ROOT, shipped_files
 
-ROOT = Path(chatcore.__file__).parent
 CODES = {code.value for code in ErrorCode}
 CODE_CALLS = {"ApiError", "error", "emit_error", "_body", "fail"}  # callables whose first argument is a code
 
@@ -79,8 +77,7 @@ def _literal_codes(tree: ast.AST) -> list[int]:
 
 def test_no_error_code_is_spelled_outside_outcomes() -> None:
     offenders = []
-    linked = [path for folder in ("kernels", "bench") for path in (ROOT / folder).rglob("*.py")]  # through links
-    for path in sorted([*ROOT.rglob("*.py"), *linked]):
+    for path in shipped_files():  # the linked kernels/ and bench/ included
         if path.name == "outcomes.py" and path.parent == ROOT:
             continue
         lines = _literal_codes(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
