@@ -254,9 +254,11 @@ class Grammars:
                     except Exception as exc:
                         fill.failed[seq] = f"the response_format grammar failed: {describe_failure(exc)}"
             fill.took_ms[owner] = 1000 * (time.perf_counter() - start)
-            for seq, row in rows:
-                if seq not in fill.failed and not bitmask[row].any():
-                    fill.failed[seq] = "the response_format grammar allows no next token: the output cannot be completed"
+        pairs = [pair for rows in groups.values() for pair in rows]
+        allows = bitmask[[row for _, row in pairs]].any(dim=1).tolist()  # one host op for every row
+        for (seq, _), allowed in zip(pairs, allows, strict=True):
+            if seq not in fill.failed and not allowed:
+                fill.failed[seq] = "the response_format grammar allows no next token: the output cannot be completed"
         return fill
 
     def _batcher(self, threads: int) -> xgrammar.BatchGrammarMatcher:
