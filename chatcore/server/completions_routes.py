@@ -18,7 +18,7 @@ from chatcore.engine.token_logprobs import TokenTexts, legacy
 from chatcore.outcomes import ErrorCode, FinishReason
 from chatcore.server.auth import Principal
 from chatcore.server.bodies import CompletionRequest
-from chatcore.server.errors import to_api_error
+from chatcore.server.errors import ApiError, to_api_error
 from chatcore.server.openai_routes import (
     engine_events,
     finish_reason,
