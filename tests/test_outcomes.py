@@ -21,6 +21,7 @@ from chatcore.server.errors import (
     HTTP_STATUS,
     STATUS_CODE,
     ApiError,
+    forbidden,
     to_api_error,
     ws_close,
     ws_refusal_close,
@@ -131,8 +132,9 @@ def test_engine_refusals_carry_their_member_and_reach_the_wire_as_it() -> None:
 
 
 def test_a_status_never_disagrees_with_its_code() -> None:
-    refused = ApiError(ErrorCode.UNAUTHORIZED, "origin not allowed", 403)  # a browser's origin: no key cures it
-    assert refused.status == 403 and STATUS_CODE[403] == ErrorCode.UNAUTHORIZED
+    refused = forbidden("origin not allowed")  # a browser's origin: no key cures it
+    assert (refused.code, refused.status) == (ErrorCode.UNAUTHORIZED, 403) and STATUS_CODE[403] == refused.code
+    assert HTTP_STATUS[ErrorCode.UNAUTHORIZED] == 401  # a missing or bad key: the code's own status
     assert ApiError(ErrorCode.BAD_REQUEST, "the body did not arrive", 408).status == 408
     try:
         ApiError(ErrorCode.NOT_FOUND, "x", 403)

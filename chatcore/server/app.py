@@ -30,7 +30,7 @@ from chatcore.server.auth import Authenticator, RevocationWatch, host_allowed
 from chatcore.server.body_decoding import NUL, StrictRequest
 from chatcore.server.connections import PendingSockets
 from chatcore.server.deps import DEPENDENCIES
-from chatcore.server.errors import ApiError, error_handler, error_response
+from chatcore.server.errors import ApiError, error_handler, error_response, forbidden
 from chatcore.server.openapi_schema import StructBodySchemaPlugin
 from chatcore.server.services import Services
 from chatcore.server.ws import chat_socket, origin_allowed
@@ -63,7 +63,6 @@ def _nul_in_target(request: Request[Any, Any, Any]) -> Response[Any] | None:
 # how long to wait after a 429.
 CORS_REQUEST_HEADERS = ["Authorization", "Content-Type", "X-Session-Id", "X-Chatcore-New-Session"]
 CORS_EXPOSED_HEADERS = ["Retry-After"]
-FORBIDDEN = 403  # a browser's page on an origin, or a Host, the server does not serve
 
 
 def cors_config(allowed_origins: list[str]) -> CORSConfig | None:
@@ -80,13 +79,13 @@ def _same_origin(settings: Settings) -> Callable[[Request[Any, Any, Any]], Await
     POST, even a 'simple' one, text/plain with no CORS preflight) are refused by the rule the WebSocket
     upgrade uses: in open mode, any web page could otherwise create sessions and run completions on a local
     server. Before the body is read; clients that are not browsers send no Origin. A 403 `unauthorized`: the
-    caller is refused, and no key would change that (chatcore/server/errors.py, `STATUS_CODE`)."""
+    caller is refused, and no key would change that (chatcore/server/errors.py, `forbidden`)."""
 
     async def same_origin(request: Request[Any, Any, Any]) -> Response[Any] | None:
         if not origin_allowed(request, settings.allowed_origins):
-            return error_response(ApiError(ErrorCode.UNAUTHORIZED, "origin not allowed", FORBIDDEN))
+            return error_response(forbidden("origin not allowed"))
         if not await host_allowed(request, request.app.state.auth, settings.allowed_hosts):
-            return error_response(ApiError(ErrorCode.UNAUTHORIZED, "host not allowed in open mode", FORBIDDEN))
+            return error_response(forbidden("host not allowed in open mode"))
         return _nul_in_target(request)
 
     return same_origin

@@ -39,6 +39,8 @@ STATUS_CODE: dict[int, ErrorCode] = {
     408: ErrorCode.BAD_REQUEST, 409: ErrorCode.CONFLICT, 413: ErrorCode.TOO_LARGE, 429: ErrorCode.BUSY,
 }
 
+FORBIDDEN = 403  # the status of a refusal no key cures (`forbidden`)
+
 CLOSE_POLICY = 1008
 CLOSE_TOO_BIG = 1009
 CLOSE_CONFLICT = 4409
@@ -52,6 +54,13 @@ WS_CLOSE: dict[ErrorCode, tuple[int, str]] = {
 
 def code_for_status(status: int) -> ErrorCode:
     return STATUS_CODE.get(status, ErrorCode.INTERNAL if status >= 500 else ErrorCode.BAD_REQUEST)
+
+
+def forbidden(message: str) -> ApiError:
+    """A caller refused whatever key it sends (a browser's page on an origin, or a Host in open mode, the
+    server does not serve): `unauthorized`, as every refusal of the caller is, sent as 403 and not its
+    code's own 401, which asks for a key (docs/protocol.md); `STATUS_CODE` maps 403 back to it."""
+    return ApiError(ErrorCode.UNAUTHORIZED, message, FORBIDDEN)
 
 
 def ws_close(code: ErrorCode) -> tuple[int, str] | None:
