@@ -57,6 +57,7 @@ import xgrammar
 from chatcore.engine.errors import describe_failure
 from chatcore.engine.grammar_cache import GrammarCache
 from chatcore.engine.schema_limits import SchemaLimits
+from chatcore.outcomes import ErrorCode
 
 COMPILE_NICE = 10  # compile threads' niceness: the engine thread and the event loop come first
 # xgrammar's messages start with a time and its C++ source position: "[16:42:47] /project/cpp/x.cc:94: ".
@@ -78,11 +79,19 @@ class ResponseFormat:
 
 
 class GrammarError(ValueError):
-    """A schema the grammar compiler cannot turn into a grammar (or not within the time limit)."""
+    """A schema the grammar compiler cannot turn into a grammar (or not within the time limit). Its message
+    names the field the schema came in, as a client sees it."""
+
+    code = ErrorCode.BAD_REQUEST
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"response_format: {reason}")
 
 
 class GrammarBusy(Exception):
     """No compile thread is free for this owner right now: try again in a moment."""
+
+    code = ErrorCode.BUSY
 
 
 @dataclass(slots=True)

@@ -10,7 +10,6 @@ from typing import Any
 from litestar import Litestar, MediaType, Request, Response, Router, get
 from litestar.config.cors import CORSConfig
 from litestar.connection import ASGIConnection
-from litestar.exceptions import HTTPException
 from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.static_files import create_static_files_router
@@ -31,18 +30,10 @@ from chatcore.server.auth import Authenticator, RevocationWatch, host_allowed
 from chatcore.server.body_decoding import NUL, StrictRequest
 from chatcore.server.connections import PendingSockets
 from chatcore.server.deps import DEPENDENCIES
-from chatcore.server.errors import (
-    ApiError,
-    api_error_handler,
-    http_error_handler,
-    internal_error_handler,
-    recursion_error_handler,
-    session_error_handler,
-)
+from chatcore.server.errors import ApiError, error_handler, error_response, forbidden
 from chatcore.server.openapi_schema import StructBodySchemaPlugin
 from chatcore.server.services import Services
 from chatcore.server.ws import chat_socket, origin_allowed
-from chatcore.sessions.errors import SessionError
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +56,7 @@ def _nul_in_target(request: Request[Any, Any, Any]) -> Response[Any] | None:
     (chatcore/server/body_decoding.py): PostgreSQL cannot compare or store it."""
     if NUL not in request.scope["path"] and b"%00" not in request.scope["query_string"]:
         return None
-    message = "the path and query must not contain NUL (%00)"
-    return Response({"error": {"code": ErrorCode.BAD_REQUEST, "message": message}}, status_code=400,
-                    media_type=MediaType.JSON)
+    return error_response(ApiError(ErrorCode.BAD_REQUEST, "the path and query must not contain NUL (%00)"))
 
 
 # What a page on an allowed origin may send and read: the key, JSON bodies, the session headers, and
@@ -89,15 +78,14 @@ def _same_origin(settings: Settings) -> Callable[[Request[Any, Any, Any]], Await
     """The app's `before_request`: cross-site requests from browsers (which always name their Origin on a
     POST, even a 'simple' one, text/plain with no CORS preflight) are refused by the rule the WebSocket
     upgrade uses: in open mode, any web page could otherwise create sessions and run completions on a local
-    server. Before the body is read; clients that are not browsers send no Origin."""
+    server. Before the body is read; clients that are not browsers send no Origin. A 403 `unauthorized`: the
+    caller is refused, and no key would change that (chatcore/server/errors.py, `forbidden`)."""
 
     async def same_origin(request: Request[Any, Any, Any]) -> Response[Any] | None:
         if not origin_allowed(request, settings.allowed_origins):
-            return Response({"error": {"code": ErrorCode.UNAUTHORIZED, "message": "origin not allowed"}},
-                            status_code=403, media_type=MediaType.JSON)
+            return error_response(forbidden("origin not allowed"))
         if not await host_allowed(request, request.app.state.auth, settings.allowed_hosts):
-            return Response({"error": {"code": ErrorCode.UNAUTHORIZED, "message": "host not allowed in open mode"}},
-                            status_code=403, media_type=MediaType.JSON)
+            return error_response(forbidden("host not allowed in open mode"))
         return _nul_in_target(request)
 
     return same_origin
@@ -154,13 +142,7 @@ def _route_handlers() -> list[ControllerRouterHandler]:
     ]
 
 
-EXCEPTION_HANDLERS: ExceptionHandlersMap = {
-    ApiError: api_error_handler,
-    SessionError: session_error_handler,
-    HTTPException: http_error_handler,
-    RecursionError: recursion_error_handler,
-    Exception: internal_error_handler,
-}
+EXCEPTION_HANDLERS: ExceptionHandlersMap = {Exception: error_handler}  # every error through `to_api_error`
 
 
 def create_app(settings: Settings, loaded: LoadedModel | None = None,

@@ -18,7 +18,7 @@ from chatcore.engine.token_logprobs import TokenTexts, legacy
 from chatcore.outcomes import ErrorCode, FinishReason
 from chatcore.server.auth import Principal
 from chatcore.server.bodies import CompletionRequest
-from chatcore.server.errors import ApiError
+from chatcore.server.errors import ApiError, to_api_error
 from chatcore.server.openai_routes import (
     engine_events,
     finish_reason,
@@ -156,7 +156,7 @@ async def _stream(completion: TextCompletion, first: tuple[str, Any], events: As
                 event = await anext(events)
             except StopAsyncIteration:
                 event = None
-            except ApiError as exc:
-                yield _sse({"error": {"code": exc.code, "message": exc.message}})
+            except Exception as exc:  # the stream has begun: its error is its last event
+                yield _sse(to_api_error(exc).body())
                 event = None
     yield "data: [DONE]\n\n"

@@ -136,10 +136,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.transport.close()
 
     def _timeout_response(self) -> bytes:
-        body = msgspec.json.encode({"error": {
-            "code": ErrorCode.BAD_REQUEST,
-            "message": f"the request body did not arrive in full within {self.body_timeout_s:g} s of its "
-                       "headers (body_timeout_s)"}})
+        error = ApiError(ErrorCode.BAD_REQUEST, f"the request body did not arrive in full within "
+                         f"{self.body_timeout_s:g} s of its headers (body_timeout_s)", 408)
+        body = msgspec.json.encode(error.body())
         head = [STATUS_LINE[408]]
         for name, value in self.server_state.default_headers:
             head += [name, b": ", value, b"\r\n"]

@@ -1,17 +1,22 @@
-"""API errors: the HTTP status of every `ErrorCode` (chatcore/outcomes.py), for WebSocket frames and
-HTTP bodies alike. This module invents no code: each error a client sees carries an `ErrorCode` member."""
+"""The one route from an outcome to the wire: `to_api_error` turns whatever a request or a frame failed with
+into an `ApiError` (an `ErrorCode` of chatcore/outcomes.py and a message), and every error body and frame
+the server sends is that `ApiError`'s `body()` or `frame()`. The tables that go with it live here too: the
+HTTP status of every code, the code of an HTTP status, and how a WebSocket closes after an error. This
+module invents no code: exceptions that reach a client carry their `ErrorCode` as a class attribute `code`
+(chatcore/sessions/errors.py, chatcore/engine/errors.py, chatcore/engine/grammar.py); any other exception is
+a bug, answered `internal`."""
 
 from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 import msgspec
-from litestar import Request, Response
+from litestar import MediaType, Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
 from chatcore.outcomes import ErrorCode
-from chatcore.sessions.errors import SessionError
 
 log = logging.getLogger(__name__)
 
@@ -25,30 +30,89 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.BUSY: 429,
     ErrorCode.INTERNAL: 500,
 }
-# The code of an HTTP error that litestar raised itself (a 404 route, a 405 method): statuses not listed
-# here are `internal` from 500 up and `bad_request` below.
+# The code of an error sent with another status than its code's own: one litestar raised itself (a 404
+# route, a 405 method), a browser's origin or host refused (403: no key cures it, yet it is a refusal of
+# the caller, `unauthorized`), a body that never arrived (408). Statuses not listed here are `internal`
+# from 500 up and `bad_request` below.
 STATUS_CODE: dict[int, ErrorCode] = {
     401: ErrorCode.UNAUTHORIZED, 403: ErrorCode.UNAUTHORIZED, 404: ErrorCode.NOT_FOUND, 405: ErrorCode.BAD_REQUEST,
-    409: ErrorCode.CONFLICT, 413: ErrorCode.TOO_LARGE, 429: ErrorCode.BUSY,
+    408: ErrorCode.BAD_REQUEST, 409: ErrorCode.CONFLICT, 413: ErrorCode.TOO_LARGE, 429: ErrorCode.BUSY,
+}
+
+FORBIDDEN = 403  # the status of a refusal no key cures (`forbidden`)
+
+CLOSE_POLICY = 1008
+CLOSE_TOO_BIG = 1009
+CLOSE_CONFLICT = 4409
+# How a WebSocket closes after the error frame of a code (docs/protocol.md, "Error codes"); a code not
+# listed leaves it open. Before the socket has authenticated, every refusal closes it (`ws_refusal_close`).
+WS_CLOSE: dict[ErrorCode, tuple[int, str]] = {
+    ErrorCode.UNAUTHORIZED: (CLOSE_POLICY, "unauthorized"),
+    ErrorCode.CONFLICT: (CLOSE_CONFLICT, "session served elsewhere"),  # another replica serves the session
 }
 
 
+def code_for_status(status: int) -> ErrorCode:
+    return STATUS_CODE.get(status, ErrorCode.INTERNAL if status >= 500 else ErrorCode.BAD_REQUEST)
+
+
+def forbidden(message: str) -> ApiError:
+    """A caller refused whatever key it sends (a browser's page on an origin, or a Host in open mode, the
+    server does not serve): `unauthorized`, as every refusal of the caller is, sent as 403 and not its
+    code's own 401, which asks for a key (docs/protocol.md); `STATUS_CODE` maps 403 back to it."""
+    return ApiError(ErrorCode.UNAUTHORIZED, message, FORBIDDEN)
+
+
+def ws_close(code: ErrorCode) -> tuple[int, str] | None:
+    """The close (code, reason) that follows an error frame of `code` on an authenticated socket, or None
+    when the socket stays open."""
+    return WS_CLOSE.get(code)
+
+
+def ws_refusal_close(code: ErrorCode) -> tuple[int, str]:
+    """The close that follows the error frame of a socket refused before it authenticated (`unauthorized`,
+    or `busy` past the per-address bound): always a policy close, its reason the code's name."""
+    return CLOSE_POLICY, str(code)
+
+
 class ApiError(Exception):
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    """An error as a client sees it. `status`: the HTTP status, the code's own unless given; a status given
+    must be one whose code (`STATUS_CODE`) is this one, so that a status and its code never disagree."""
+
+    def __init__(self, code: ErrorCode, message: str, status: int | None = None) -> None:
         super().__init__(message)
+        if status is not None and status != HTTP_STATUS[code] and code_for_status(status) != code:
+            raise ValueError(f"status {status} does not carry the code {code}")
         self.code = code
         self.message = message
+        self.status = HTTP_STATUS[code] if status is None else status
 
-    @property
-    def status(self) -> int:
-        return HTTP_STATUS[self.code]
+    def body(self) -> dict[str, dict[str, str]]:
+        """The HTTP error body (a response's, or an SSE event's)."""
+        return {"error": {"code": self.code, "message": self.message}}
 
     def frame(self) -> dict[str, str]:
+        """The WebSocket error frame."""
         return {"type": "error", "code": self.code, "message": self.message}
 
 
-def from_session_error(exc: SessionError) -> ApiError:
-    return ApiError(exc.code, str(exc))
+def to_api_error(exc: BaseException) -> ApiError:
+    """What a client is told of `exc`: an `ApiError` as it is; an exception carrying its `ErrorCode` (`code`)
+    with its message; a body or frame that does not match its Struct, an HTTP error litestar raised, input
+    nested too deeply, each as `bad_request` (or the HTTP error's code); anything else, logged, `internal`."""
+    if isinstance(exc, ApiError):
+        return exc
+    code = getattr(type(exc), "code", None)
+    if isinstance(code, ErrorCode):
+        return ApiError(code, str(exc))
+    if isinstance(exc, msgspec.ValidationError):
+        return from_validation_error(exc)
+    if isinstance(exc, HTTPException):
+        return _from_http(exc)
+    if isinstance(exc, RecursionError):
+        return _from_recursion(exc)
+    log.error("unhandled error", exc_info=exc)
+    return ApiError(ErrorCode.INTERNAL, "internal error")
 
 
 KINDS = {"bool": "a boolean", "int": "an integer", "float": "a number", "str": "a string", "array": "a list",
@@ -72,25 +136,21 @@ def from_validation_error(exc: msgspec.ValidationError) -> ApiError:
 RETRY_AFTER_S = 1  # `busy` is a moment's congestion (a full queue, a tenant's turns in flight)
 
 
-def _body(code: ErrorCode, message: str, status: int) -> Response[dict[str, dict[str, str]]]:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
-    return Response({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
+def error_response(error: ApiError) -> Response[dict[str, dict[str, str]]]:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 429 else None
+    return Response(error.body(), status_code=error.status, headers=headers, media_type=MediaType.JSON)
 
 
-def api_error_handler(_: Request, exc: ApiError) -> Response[dict[str, dict[str, str]]]:
-    return _body(exc.code, exc.message, exc.status)
+def error_handler(_: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, dict[str, str]]]:
+    """The app's one exception handler: every error a route raises, answered through `to_api_error`."""
+    return error_response(to_api_error(exc))
 
 
-def session_error_handler(_: Request, exc: SessionError) -> Response[dict[str, dict[str, str]]]:
-    return api_error_handler(_, from_session_error(exc))
-
-
-def http_error_handler(_: Request, exc: HTTPException) -> Response[dict[str, dict[str, str]]]:
+def _from_http(exc: HTTPException) -> ApiError:
     status = exc.status_code
     if isinstance(exc, ValidationException) or status == 400:
-        return _body(ErrorCode.BAD_REQUEST, _validation_message(exc), 400)
-    code = STATUS_CODE.get(status, ErrorCode.INTERNAL if status >= 500 else ErrorCode.BAD_REQUEST)
-    return _body(code, str(exc.detail), status)
+        return ApiError(ErrorCode.BAD_REQUEST, _validation_message(exc), 400)
+    return ApiError(code_for_status(status), str(exc.detail), status)
 
 
 def _validation_message(exc: HTTPException) -> str:
@@ -99,15 +159,10 @@ def _validation_message(exc: HTTPException) -> str:
     return details or str(exc.detail)
 
 
-def recursion_error_handler(_: Request, exc: RecursionError) -> Response[dict[str, dict[str, str]]]:
+def _from_recursion(exc: RecursionError) -> ApiError:
     """Input nested deeper than a decoder's (or a renderer's) recursion limit is the client's error, not
     ours: a JSON body, or JSON text inside one (tool call arguments). Logged, without the client's data."""
     if "deserializ" in str(exc):
-        return _body(ErrorCode.BAD_REQUEST, "the JSON body is nested too deeply", 400)
+        return ApiError(ErrorCode.BAD_REQUEST, "the JSON body is nested too deeply")
     log.warning("a request failed with RecursionError (%s): answered 400", exc)
-    return _body(ErrorCode.BAD_REQUEST, "the request holds data nested too deeply", 400)
-
-
-def internal_error_handler(_: Request, exc: Exception) -> Response[dict[str, dict[str, str]]]:
-    log.exception("unhandled error", exc_info=exc)
-    return _body(ErrorCode.INTERNAL, "internal error", 500)
+    return ApiError(ErrorCode.BAD_REQUEST, "the request holds data nested too deeply")

@@ -19,14 +19,13 @@ import msgspec
 from litestar import Request, Response, get, post
 from litestar.response import Stream
 
-from chatcore.engine.errors import QueueFull, RequestRejected
 from chatcore.engine.outputs import RequestOutput, TokenLogprob
 from chatcore.engine.request import SamplingParams
 from chatcore.engine.token_logprobs import TokenTexts, chat_content
 from chatcore.outcomes import ErrorCode, FinishReason
 from chatcore.server.auth import Principal
 from chatcore.server.bodies import ChatCompletionRequest, ChatMessage, StreamOptions
-from chatcore.server.errors import ApiError
+from chatcore.server.errors import ApiError, to_api_error
 from chatcore.server.params import compile_response_format, sampling_params, schema_limits
 from chatcore.server.services import Services
 from chatcore.server.tools import Tools, parse_tools, read_calls
@@ -193,10 +192,7 @@ async def engine_events(services: Services, principal_tenant: str, prompt_of: Ca
             params = replace(params, max_tokens=min(params.max_tokens, context - len(prompt)))
         request = engine.make_request(prompt, params, scope_key=services.sessions.scope_key(principal_tenant),
                                       tenant=principal_tenant)
-        try:
-            engine.check_fits(request)
-        except RequestRejected as exc:
-            raise ApiError(ErrorCode.TOO_LARGE, str(exc)) from exc
+        engine.check_fits(request)  # `RequestRejected` (`too_large`) and `QueueFull` (`busy`) carry their code
         async with aclosing(engine.generate(request)) as stream:
             async for out in stream:
                 for delta in out.deltas:
@@ -204,8 +200,6 @@ async def engine_events(services: Services, principal_tenant: str, prompt_of: Ca
                         yield "delta", (delta.index, delta.text, delta.logprobs)
                 if out.finished:
                     final = out
-    except QueueFull as exc:
-        raise ApiError(ErrorCode.BUSY, str(exc)) from exc
     finally:
         active[principal_tenant] -= 1
     assert final is not None and final.usage is not None and final.timings is not None
@@ -339,8 +333,8 @@ async def _sse(completion: Completion, first: tuple[str, Any], events: AsyncIter
                     kind, value = await anext(events)
                 except StopAsyncIteration:
                     break
-                except ApiError as exc:
-                    yield f"data: {json.dumps({'error': {'code': exc.code, 'message': exc.message}})}\n\n"
+                except Exception as exc:  # the stream has begun: its error is its last event
+                    yield f"data: {json.dumps(to_api_error(exc).body())}\n\n"
                     break
             if kind == "delta":
                 index, text, logprobs = value

@@ -10,12 +10,7 @@ import msgspec
 from msgspec import Meta
 
 from chatcore.config import Settings
-from chatcore.engine.grammar import (
-    GrammarBusy,
-    GrammarError,
-    Grammars,
-    parse_response_format,
-)
+from chatcore.engine.grammar import Grammars, parse_response_format
 from chatcore.engine.request import MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY, SamplingParams
 from chatcore.engine.schema_limits import SchemaLimits
 from chatcore.outcomes import ErrorCode
@@ -124,10 +119,6 @@ async def compile_response_format(grammars: Grammars, params: SamplingParams, te
     `response_format` never waits."""
     if params.response_format is None:
         return params
-    try:
-        compiled = await grammars.compile_async(params.response_format, tenant_id)
-    except GrammarError as exc:
-        raise ApiError(ErrorCode.BAD_REQUEST, f"response_format: {exc}") from exc
-    except GrammarBusy as exc:
-        raise ApiError(ErrorCode.BUSY, str(exc)) from exc
+    # `GrammarError` (`bad_request`) or `GrammarBusy` (`busy`): each carries its code (`to_api_error`)
+    compiled = await grammars.compile_async(params.response_format, tenant_id)
     return replace(params, response_format=compiled)

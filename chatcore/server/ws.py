@@ -29,7 +29,15 @@ from chatcore.server.auth import (
 )
 from chatcore.server.body_decoding import nul_error
 from chatcore.server.connections import PendingSockets
-from chatcore.server.errors import ApiError, from_session_error
+from chatcore.server.errors import (
+    CLOSE_CONFLICT,
+    CLOSE_POLICY,
+    CLOSE_TOO_BIG,
+    ApiError,
+    to_api_error,
+    ws_close,
+    ws_refusal_close,
+)
 from chatcore.server.frames import (
     Auth,
     Cancel,
@@ -44,13 +52,9 @@ from chatcore.server.frames import (
 from chatcore.server.history import HistoryReads, page_fields
 from chatcore.server.params import sampling_params
 from chatcore.server.services import Services
-from chatcore.sessions.errors import SessionError
 from chatcore.sessions.state import SessionState
 
 log = logging.getLogger(__name__)
-CLOSE_POLICY = 1008
-CLOSE_TOO_BIG = 1009
-CLOSE_CONFLICT = 4409
 # What may wait for a client that does not read (beyond what the kernel's socket buffers hold):
 # a whole 2,048-token turn fits many times over. Past either bound the socket is closed (1008)
 # and the queue dropped. Characters bound the frames that are big (a `session` frame carries a
@@ -106,7 +110,15 @@ class Connection:
         self.out.put_nowait((text, seq if isinstance(seq, int) else None))
 
     def error(self, code: ErrorCode, message: str) -> None:
-        self.send({"type": "error", "code": code, "message": message})
+        self.send(ApiError(code, message).frame())
+
+    def fail(self, exc: BaseException) -> None:
+        """The error frame of `exc` (`to_api_error`), then the close its code calls for, if any."""
+        error = to_api_error(exc)
+        self.send(error.frame())
+        close = ws_close(error.code)
+        if close is not None:
+            self.close(*close)
 
     def revoked(self) -> None:
         self.error(ErrorCode.UNAUTHORIZED, "the API key was revoked")
@@ -294,8 +306,8 @@ async def chat_socket(socket: WebSocket, services: Services) -> None:
         principal = await _authenticate(socket, auth, settings.max_frame_bytes, socket.app.state.pending_sockets)
     except ApiError as exc:
         await socket.send_data(json.dumps(exc.frame()), mode="text")
-        reason = "unauthorized" if exc.code == ErrorCode.UNAUTHORIZED else "busy"  # a close reason, not a code
-        await socket.close(code=CLOSE_POLICY, reason=reason)
+        code, reason = ws_refusal_close(exc.code)
+        await socket.close(code=code, reason=reason)
         return
     if principal is None:  # gone before it said who it is
         return
@@ -400,16 +412,5 @@ async def _on_message(conn: Connection, message: dict[str, Any], max_bytes: int)
         return
     try:
         await conn.handle(decode_frame(frame))
-    except ApiError as exc:
-        conn.send(exc.frame())
-        if exc.code == ErrorCode.UNAUTHORIZED:
-            conn.close(CLOSE_POLICY, "unauthorized")
-    except SessionError as exc:
-        conn.send(from_session_error(exc).frame())
-        if exc.code == ErrorCode.CONFLICT:  # another replica serves the session
-            conn.close(CLOSE_CONFLICT, "session served elsewhere")
-        elif exc.code == ErrorCode.UNAUTHORIZED:
-            conn.close(CLOSE_POLICY, "unauthorized")
-    except Exception:
-        log.exception("frame handling failed")
-        conn.error(ErrorCode.INTERNAL, "internal error")
+    except Exception as exc:  # a refusal, or a bug (`internal`, logged): the socket lives on unless its code closes it
+        conn.fail(exc)

@@ -25,13 +25,12 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from chatcore.engine.commands import SessionPrefix
-from chatcore.engine.errors import PrefixOnDisk, QueueFull, RequestRejected
-from chatcore.engine.grammar import GrammarBusy, GrammarError
+from chatcore.engine.errors import PrefixOnDisk, QueueFull
 from chatcore.engine.outputs import RequestOutput
 from chatcore.engine.request import Request, SamplingParams
 from chatcore.engine.token_logprobs import chat_content
 from chatcore.outcomes import ErrorCode, FinishReason
-from chatcore.sessions.errors import Busy, Conflict, SessionError, TooLarge
+from chatcore.sessions.errors import Busy, Conflict, TooLarge
 from chatcore.sessions.frames import TurnFrames
 from chatcore.sessions.leases import LeaseLost
 from chatcore.sessions.quota import Reservation, answer_chars
@@ -70,7 +69,8 @@ class TurnRunner:
         `still_current`: whether the caller (a socket) still holds the session once the lock is
         taken; meanwhile another socket may have taken it over, and must find no turn it did not see.
         `max_tokens_given`: False when `params.max_tokens` is the default, which then shrinks to the
-        context the prompt leaves."""
+        context the prompt leaves. Refusals raise a `SessionError`, or the engine's own refusal
+        (`RequestRejected`, `GrammarError`, `GrammarBusy`), each carrying its `ErrorCode`."""
         async with state.lock:
             if not still_current():
                 raise Conflict("another connection took over this session")
@@ -101,10 +101,7 @@ class TurnRunner:
             params = replace(params, max_tokens=min(params.max_tokens, context - len(prompt)))
         req = self.engine.make_request(prompt, params, scope_key=state.scope_key, tenant=state.tenant_id)
         req.session_id = state.id
-        try:
-            self.engine.check_fits(req)
-        except RequestRejected as exc:
-            raise TooLarge(str(exc)) from exc
+        self.engine.check_fits(req)  # `RequestRejected`, which carries its code (`too_large`)
         exchange = state.turn_count // 2
         reserve = 3 + params.max_tokens * params.num_sequences
         answers = answer_chars(params.max_tokens, params.num_sequences, self.sessions.token_chars)
@@ -136,12 +133,8 @@ class TurnRunner:
         """`params` with its grammar compiled (chatcore/engine/grammar.py), within the tenant's turn slot."""
         if params.response_format is None:
             return params
-        try:
-            compiled = await self.engine.grammars.compile_async(params.response_format, tenant_id)
-        except GrammarError as exc:
-            raise SessionError(f"response_format: {exc}") from exc
-        except GrammarBusy as exc:
-            raise Busy(str(exc)) from exc
+        # `GrammarError` (`bad_request`) or `GrammarBusy` (`busy`), each carrying its code
+        compiled = await self.engine.grammars.compile_async(params.response_format, tenant_id)
         return replace(params, response_format=compiled)
 
     def _prompt(self, state: SessionState, content: str, max_tokens: int, context: int) -> Window:
@@ -191,8 +184,8 @@ class TurnRunner:
             try:
                 frames.emit({"type": "start", "truncated_turns": window.window_start})
                 final = await self._serve(state, frames, req, window.use_pin)
-            except QueueFull:
-                error = ErrorCode.BUSY
+            except QueueFull as exc:
+                error = exc.code
             except Exception:  # the turn fails, the session and the server live on
                 log.exception("turn failed in session %s", state.id)
                 error = ErrorCode.INTERNAL
