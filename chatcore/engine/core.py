@@ -1,5 +1,8 @@
-"""The synchronous engine: schedule, run one forward pass, sample, stream, release.
+"""The synchronous engine: its loop, `add`, `abort` and the audit.
 
+A step reads as: schedule (`Scheduler`), run the model (`ModelRunner`), sample (`StepSampler.sample`:
+forks, masks, choices, beam search, the one download), process the outputs
+(`OutputProcessor.process`: tokens appended, stops, text), then finish the requests that ended.
 Only the thread that calls `step()` touches the block pool, the tables and the KV tensors.
 Every exit path of a request (stop, length, abort, busy, error) goes through `_finish`, which
 gives all of its tables back to the KV cache manager (`KVCacheManager.free`); a session's turn
