@@ -17,8 +17,8 @@ first such step, `profiled` more run under `torch.profiler` instead (not timed) 
 (`step_ops`): linears (the matmul ops), attention (chatcore's paged attention function: K/V
 writes, the decode kernel), norms/RoPE/activations (every other op in and around the forward:
 RMSNorm, RoPE, SiLU, the residual adds, the embedding, the logits' cast), sampling (the ops under
-`EngineCore._sample`), and Python/other (the step's wall time minus all its ops' self time: the
-interpreter, scheduling, the dispatcher, the profiler's own cost). Everything but the linears over
+`StepSampler.sample` and `OutputProcessor.process`), and Python/other (the step's wall time minus
+all its ops' self time: the interpreter, scheduling, the dispatcher, the profiler's own cost). Everything but the linears over
 the linears: <= 0.25.
 
 Prefill (target 3): prompts of ~1,100 tokens (2.2 chunks), each in a cache scope of its own, added at once with

@@ -61,7 +61,9 @@ def profile_run(loaded: Any, sequences: int, new_tokens: int) -> dict[str, Any]:
         core = EngineCore(loaded, Settings(device=str(loaded.device), num_blocks=4096, max_num_seqs=max(64, sequences)))
         core.scheduler.schedule = timers.wrap("schedule", core.scheduler.schedule)  # type: ignore[method-assign]
         core.runner.execute = timers.wrap("runner", core.runner.execute)  # type: ignore[method-assign]
-        core._sample = timers.wrap("sample", core._sample)  # type: ignore[method-assign]
+        core.step_sampler.sample = timers.wrap("sample", core.step_sampler.sample)  # type: ignore[method-assign]
+        core.output_processor.process = timers.wrap(  # type: ignore[method-assign]
+            "sample", core.output_processor.process)  # sampling and appending, timed as one
         system, users = chat_workload(loaded.tokenizer, sequences, 300, 100, seed=1)
         for i, prompt in enumerate(chat_prompts(loaded.tokenizer, system, users)):
             core.add(core.make_request(prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True),

@@ -4,10 +4,10 @@
 `OP_GROUPS` names the ops of each group (an aten op of none is an "other op": norms, RoPE, SiLU,
 the residual adds...; the C calls in `OP_GROUPS` show as `native.traced` ranges). `labelled(core)`
 puts two parts of a step into `torch.profiler` ranges: chatcore's paged attention of a layer, all
-of it (the K/V writes, the decode kernel, the prefill
-attention, the reshapes around them: `RANGES[0]`), and the engine's sampling (`EngineCore._sample`:
-`RANGES[1]`). `op_split` counts an op inside one of those ranges under the range's name, any other
-under its group. Times are each op's self time, so nested ops count once; what a step spends
+of it (the K/V writes, the decode kernel, the prefill attention, the reshapes around them:
+`RANGES[0]`), and the engine's sampling with its outputs (`StepSampler.sample` and
+`OutputProcessor.process`: `RANGES[1]`). `op_split` counts an op inside one of those ranges under
+the range's name, any other under its group. Times are each op's self time, so nested ops count once; what a step spends
 outside every op (Python, the dispatcher, the profiler itself) is its wall time minus their sum.
 """
 
@@ -47,28 +47,37 @@ def in_full_decode(core: EngineCore) -> bool:
 def labelled(core: EngineCore) -> Iterator[None]:
     """Within it, the model's paged attention and `core`'s sampling run inside `RANGES`' ranges."""
     attention, sampling = RANGES
-    sample, wrapped = core._sample, "_sample" in vars(core)  # a wrapper already on the instance stays
-
     attend = paged_attention.attend
 
     def labelled_attention(*args: Any, **kwargs: Any) -> Any:
         with record_function(attention):
             return attend(*args, **kwargs)
 
-    def labelled_sample(*args: Any, **kwargs: Any) -> Any:
-        with record_function(sampling):
-            return sample(*args, **kwargs)
-
     paged_attention.attend = labelled_attention  # both the modules' attention and fused_layer.py call it
-    core._sample = labelled_sample  # type: ignore[method-assign]
+    try:
+        with _in_range(core.step_sampler, "sample", sampling), _in_range(core.output_processor, "process", sampling):
+            yield
+    finally:
+        paged_attention.attend = attend
+
+
+@contextlib.contextmanager
+def _in_range(owner: Any, method: str, name: str) -> Iterator[None]:
+    """Within it, `owner.method` runs inside a profiler range called `name`."""
+    real, wrapped = getattr(owner, method), method in vars(owner)  # a wrapper already on the instance stays
+
+    def in_range(*args: Any, **kwargs: Any) -> Any:
+        with record_function(name):
+            return real(*args, **kwargs)
+
+    setattr(owner, method, in_range)
     try:
         yield
     finally:
         if wrapped:
-            core._sample = sample  # type: ignore[method-assign]
+            setattr(owner, method, real)
         else:
-            del core._sample  # the method shows through again
-        paged_attention.attend = attend
+            delattr(owner, method)  # the method shows through again
 
 
 def _range_of(event: Any) -> str | None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from chatcore.engine import core as core_module
+from chatcore.engine import step_sampler as sampler_module
 from chatcore.engine.core import EngineCore
 from chatcore.engine.request import SamplingParams
 from chatcore.kernels import dispatch as kernels
@@ -138,14 +138,14 @@ def test_the_watch_catches_a_read_back_added_to_the_step(make_core, loaded_fp32,
     """The check above can fail: an `.item()` slipped into sampling is reported."""
     core = make_core()
     watch, counts = _watch(core, monkeypatch)
-    real = core_module.sample
+    real = sampler_module.sample
 
     def sample_and_peek(logits: torch.Tensor, params: SamplingParams, generator: Any) -> torch.Tensor:
         token = real(logits, params, generator)
         token.item()
         return token
 
-    monkeypatch.setattr(core_module, "sample", sample_and_peek)
+    monkeypatch.setattr(sampler_module, "sample", sample_and_peek)
     core.add(core.make_request(chat_ids(loaded_fp32.tokenizer, QUESTIONS[3]),
                                SamplingParams(max_tokens=2, temperature=0.7, seed=1)))
     steps = _run_watched(core, watch, counts)

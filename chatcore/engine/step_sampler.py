@@ -1,0 +1,195 @@
+"""A step's sampling: forks, grammar masks, token choice and beam search, after the forward pass.
+
+`StepSampler.sample` is its one entry point. It forks n > 1 requests whose prompt was just computed,
+applies the grammar masks, queues every sampling row's choice on the device (`StepChoices`) and beam
+search's candidates, and brings all of them to the host in the step's one download; it advances the
+beam searches there. Nothing here appends a plain sample's token or writes an output: it returns a
+`Sampled`, whose `tokens` the output processor (`engine/output_processor.py`) takes in row order. A
+fault of one request's rows fails that request alone (`RowFaults`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from chatcore.engine.beams import Beams
+from chatcore.engine.choices import StepChoices
+from chatcore.engine.grammar import Grammars
+from chatcore.engine.kv_manager import KVCacheManager
+from chatcore.engine.mask_budget import MaskBudget
+from chatcore.engine.outputs import TokenLogprob
+from chatcore.engine.penalties import Penalties
+from chatcore.engine.request import Request, TokenSequence
+from chatcore.engine.row_faults import RowFaults
+from chatcore.engine.sampler import NO_TOKEN, beam_candidates, greedy, make_generator, sample
+from chatcore.engine.scheduler import ScheduledSeq
+from chatcore.engine.transfers import DownloadPack, StepTransfers
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Sampled:
+    """A step's sampling, on the host: its time (`now`), the masks' fill time, the beam search requests
+    stepped (their tokens are in their beams already), and the plain samples' choices to read."""
+    now: float
+    mask_ms: float
+    beams: list[Request]
+    choices: list[StepChoices]
+    host: list[float]
+
+    def tokens(self, faults: RowFaults) -> Iterator[tuple[Request, TokenSequence, int, TokenLogprob | None]]:
+        """Each plain sample's chosen token and log-probs, in row order; a row whose probabilities are no
+        distribution fails its request (`NO_TOKEN`, which the output processor's `RowFaults.run` skips)."""
+        for choice in self.choices:
+            for (req, seq, _), (token, logprob) in zip(choice.items, choice.read(self.host), strict=True):
+                if token == NO_TOKEN:
+                    faults.fail(req, "sampling failed: the row's probabilities are not a distribution (a NaN or an "
+                                     "infinity after penalties, logit_bias and temperature)")
+                yield req, seq, token, logprob
+
+
+class StepSampler:
+    def __init__(self, kv_cache: KVCacheManager, beams: Beams, penalties: Penalties, grammars: Grammars,
+                 mask_budget: MaskBudget, transfers: StepTransfers, device: torch.device) -> None:
+        self.kv_cache = kv_cache
+        self._beams = beams
+        self._penalties = penalties
+        self.grammars = grammars
+        self.mask_budget = mask_budget
+        self.transfers = transfers
+        self.device = device
+        self._generators: dict[TokenSequence, torch.Generator] = {}
+
+    def sample(self, entries: list[ScheduledSeq], logits: torch.Tensor, faults: RowFaults) -> Sampled:
+        """The step's sampling rows (forking n > 1 requests first), sampled."""
+        rows, groups = self._sampling_rows(entries, faults)
+        return self._sample(rows, groups, logits, faults)
+
+    def release(self, req: Request) -> None:
+        """Drop a finished request's generators."""
+        for seq in req.seqs:
+            self._generators.pop(seq, None)
+
+    def _sampling_rows(self, entries: list[ScheduledSeq], faults: RowFaults) -> tuple[dict[TokenSequence, int],
+                                                                                     list[list[ScheduledSeq]]]:
+        """The row of the step's logits each sampling sequence reads, and the sampling entries by
+        request. A request with n > 1 whose prompt was just computed forks here (`_fork`): its
+        other samples join its group and read the first sample's row."""
+        rows: dict[TokenSequence, int] = {}
+        by_request: dict[str, list[ScheduledSeq]] = {}
+        for entry in entries:
+            if entry.samples:
+                rows[entry.seq] = len(rows)
+                by_request.setdefault(entry.req.request_id, []).append(entry)
+        for group in by_request.values():
+            req = group[0].req
+            if req.params.beam_width == 1 and not req.forked:
+                forks = faults.run(req, "forking its samples", lambda: self._fork(req)) or []
+                rows.update({f.seq: rows[req.seqs[0]] for f in forks})
+                group += forks
+        return rows, [group for group in by_request.values() if group[0].req.error is None]
+
+    def _sample(self, rows: dict[TokenSequence, int], groups: list[list[ScheduledSeq]], logits: torch.Tensor,
+                faults: RowFaults) -> Sampled:
+        """Choose every sampling row's token on the device (`StepChoices`), then bring all choices,
+        their log-probs and beam search's candidates to the host in the step's one download. A fault
+        of one request's rows fails that request alone (`RowFaults`)."""
+        now = time.monotonic()
+        plain = [(e.req, e.seq, rows[e.seq]) for group in groups if group[0].req.params.beam_width == 1
+                 for e in group]
+        beams = [(group[0].req, [rows[e.seq] for e in group]) for group in groups
+                 if group[0].req.params.beam_width > 1]
+        mask_ms = self._mask(plain, logits, faults)
+        plain = [item for item in plain if item[0].error is None]
+        argmax = greedy(logits)
+        pack = DownloadPack()
+        pack.add("argmax", argmax)
+        choices = self._choices(plain, logits, argmax, pack, faults)
+        candidates = {req: faults.run(req, "beam search", lambda req=req, beam_rows=beam_rows: beam_candidates(
+            torch.stack([logits[r] for r in beam_rows]), self._beams.search(req).candidates))
+            for req, beam_rows in beams}
+        for i, found in enumerate(candidates.values()):
+            if found is not None:
+                pack.add(f"beam{i}.values", found[0])
+                pack.add(f"beam{i}.ids", found[1])
+        host = self.transfers.download(pack.packed())
+        stepped = []
+        for i, (req, found) in enumerate(candidates.items()):
+            if found is not None:
+                faults.run(req, "beam search", lambda req=req, i=i, width=found[0].shape[1]: self._step_beams(
+                    req, pack.segment(host, f"beam{i}.values"), pack.segment(host, f"beam{i}.ids"), width))
+                stepped.append(req)
+        return Sampled(now, mask_ms, stepped, choices, host)
+
+    def _mask(self, plain: list[tuple[Request, TokenSequence, int]], logits: torch.Tensor, faults: RowFaults) -> float:
+        """Fill and apply the grammar masks of the step's constrained rows, before anything reads the logits
+        (the grammar's -inf rule them all), each tenant's fill charged to it; a row without a mask fails its
+        request. Returns the fill's time in ms."""
+        groups: dict[str, list[tuple[object, int]]] = {}
+        for req, seq, row in plain:
+            if self.grammars.constrained(seq):
+                groups.setdefault(req.tenant, []).append((seq, row))
+        if not groups:
+            return 0.0
+        fill = self.grammars.masks(groups, logits.shape[0], torch.get_num_threads())
+        for tenant, pairs in groups.items():
+            self.mask_budget.charge(tenant, fill.took_ms[tenant], [seq for seq, _ in pairs])
+        for req, seq, _ in plain:
+            if seq in fill.failed:
+                faults.fail(req, fill.failed[seq])
+        masked = sorted({row for pairs in groups.values() for seq, row in pairs if seq not in fill.failed})
+        if masked:
+            self.grammars.apply(logits, self.transfers.upload_bitmask(fill.bitmask), masked)
+        return sum(fill.took_ms.values())
+
+    def _choices(self, plain: list[tuple[Request, TokenSequence, int]], logits: torch.Tensor, argmax: torch.Tensor,
+                 pack: DownloadPack, faults: RowFaults) -> list[StepChoices]:
+        """The step's choices in one batch; when building them raises, again for each request alone, so
+        that only the request that raises fails."""
+        try:
+            return [StepChoices(plain, logits, argmax, pack, self._penalties, sample, self._generator)]
+        except Exception:
+            log.warning("the step's choices failed as one batch; making them request by request")
+        by_request: dict[Request, list[tuple[Request, TokenSequence, int]]] = {}
+        for item in plain:
+            by_request.setdefault(item[0], []).append(item)
+        made = [faults.run(req, "sampling", lambda i=i, items=items: StepChoices(
+            items, logits, argmax, pack, self._penalties, sample, self._generator, key=f"r{i}."))
+            for i, (req, items) in enumerate(by_request.items())]
+        return [choice for choice in made if choice is not None]
+
+    def _step_beams(self, req: Request, flat_values: list[float], flat_ids: list[float], width: int) -> None:
+        self._beams.step(req, [flat_values[j: j + width] for j in range(0, len(flat_values), width)],
+                         [[int(t) for t in flat_ids[j: j + width]] for j in range(0, len(flat_ids), width)])
+
+    def _fork(self, req: Request) -> list[ScheduledSeq]:
+        """n > 1: after the prompt's first token is due, the other samples fork its table (the
+        prompt's blocks are shared, the last partial one is copied on write), its penalty counts
+        and its grammar state. They sample from the first sample's row of logits, each with its
+        own generator."""
+        req.forked = True
+        seq0 = req.seqs[0]
+        forks = []
+        for child in range(1, req.params.n):
+            fork = TokenSequence(child, list(seq0.tokens), seq0.prompt_len,
+                                 table=self.kv_cache.fork(seq0, f"{req.request_id}/{child}"),
+                                 num_computed=seq0.num_computed)
+            req.seqs.append(fork)
+            self._penalties.fork(seq0, fork)
+            self.grammars.fork(seq0, fork)
+            forks.append(ScheduledSeq(req, fork, 0, 0, [], []))
+        return forks
+
+    def _generator(self, req: Request, seq: TokenSequence) -> torch.Generator | None:
+        if req.params.greedy:
+            return None
+        key = seq
+        if key not in self._generators:
+            self._generators[key] = make_generator(req.params.seed, seq.index, self.device)
+        return self._generators[key]
