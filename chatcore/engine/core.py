@@ -189,8 +189,7 @@ class EngineCore:
         for entry in entries:
             seq = entry.seq
             seq.num_computed = entry.start + entry.num_tokens
-            assert seq.table is not None
-            seq.table.commit(seq.tokens, seq.num_computed, entry.req.salt)
+            self.kv_cache.cache_blocks(entry.req, seq)
         faults = RowFaults()
         rows, groups = self._sampling_rows(entries, faults)
         mask_ms = self._sample(rows, groups, logits, outputs, faults)
@@ -317,9 +316,8 @@ class EngineCore:
         seq0 = req.seqs[0]
         forks = []
         for child in range(1, req.params.n):
-            fork = TokenSequence(child, list(seq0.tokens), seq0.prompt_len,
-                                 table=self.kv_cache.fork(seq0, f"{req.request_id}/{child}"),
-                                 num_computed=seq0.num_computed)
+            fork = TokenSequence(child, list(seq0.tokens), seq0.prompt_len, num_computed=seq0.num_computed)
+            self.kv_cache.fork(req, seq0, fork)
             req.seqs.append(fork)
             self._penalties.fork(seq0, fork)
             self.grammars.fork(seq0, fork)
@@ -360,8 +358,7 @@ class EngineCore:
             seq.finish_reason = FinishReason.LENGTH
         if seq.finished:
             text += detok.flush()
-            if not (req.session_id is not None and seq.index == 0):  # a session's turn keeps it to the end
-                self.kv_cache.free_seq(seq)
+            self.kv_cache.finish_seq(req, seq)  # a session's turn keeps its first sample's to the end
         out = outputs.setdefault(req.request_id, RequestOutput(req.request_id))
         out.deltas.append(SeqDelta(seq.index, [token], text, [logprob] if logprob is not None else None))
 
