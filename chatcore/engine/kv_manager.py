@@ -241,12 +241,13 @@ class KVCacheManager:
         return kept
 
     def _keep(self, req: Request) -> list[bytes]:
-        tables = self._tables.get(req.request_id, {})
+        """The table `keeps_pin` keeps (a session's turn that ended well: its first sample's) becomes the
+        session's pin; its block hashes, or []."""
+        session_id, tables = req.session_id, self._tables.get(req.request_id, {})
         for seq in req.seqs:
-            if seq in tables and keeps_pin(req.session_id, seq.index, seq.finish_reason):
+            if session_id is not None and seq in tables and keeps_pin(session_id, seq.index, seq.finish_reason):
                 table = tables.pop(seq)
-                assert req.session_id is not None
-                self._pin(req.session_id, table)
+                self._pin(session_id, table)
                 return list(table.hashes)
         return []
 
