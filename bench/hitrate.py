@@ -2,7 +2,7 @@
 
 Each turn, in arrival order: look up the prompt's longest cached prefix (`longest_prefix`
 over `BlockPool.find`, at most (len-1)//block_size blocks, as the scheduler does), build a
-table on it, reserve slots for the rest of the prompt and the answer, commit the computed
+table on it (held by the KV cache manager, as the engine's are: bench/bookkeeping.py), reserve slots for the rest of the prompt and the answer, commit the computed
 tokens (the prompt and all of the answer but its last sampled token and the template's
 newline, whose KV the engine never computes), then release the table. Sessions are not
 pinned between turns (a warm session: its blocks are cached-free and compete in the LRU).
@@ -33,8 +33,8 @@ from typing import Any
 
 from chatcore.bench.common import Context, reported
 from chatcore.bench.workload import Trace, TraceConfig, generate
-from chatcore.cache import BlockPool, BlockTable, cache_salt, longest_prefix
-from chatcore.cache.errors import NoFreeBlocks
+from chatcore.bench.bookkeeping import Bookkeeping
+from chatcore.cache import BlockPool, NoFreeBlocks, cache_salt
 
 
 def block_cost(depth: int, block_size: int, attention_ratio: float) -> float:
@@ -77,10 +77,10 @@ class CostAwarePool(BlockPool):
     def cost(self, block_id: int) -> float:
         return float(len(self.users[block_id]))
 
-    def note_chain(self, table: BlockTable, owner: object) -> None:
-        """The committed blocks of `table` were just used by `owner` (a session)."""
+    def note_chain(self, hashed: list[int], owner: object) -> None:
+        """The committed (`hashed`) blocks of a chain were just used by `owner` (a session)."""
         parent: int | None = None
-        for depth, block_id in enumerate(table.block_ids[: len(table.hashes)]):
+        for depth, block_id in enumerate(hashed):
             if self.blocks[block_id].hash is None:  # a duplicate of content cached elsewhere
                 parent = block_id
                 continue
@@ -165,32 +165,30 @@ def replay(trace: Trace, num_blocks: int, block_size: int, policy: str = "lru", 
            attention_ratio: float) -> dict[str, Any]:
     """Replay every turn; returns hit and query tokens, FLOP-weighted savings and the peak footprint."""
     pool = make_pool(policy, num_blocks, block_size, attention_ratio)
+    books = Bookkeeping(pool)
     salt = cache_salt("bench-trace", block_size, "bfloat16")
     hits = queries = 0
     saved_cost = total_cost = 0.0
     peak = 0
-    for event in trace.events():
+    for index, event in enumerate(trace.events()):
         prompt = trace.prompt(event.session, event.turn)
         answer = trace.sessions[event.session].turns[event.turn].answer
-        max_blocks = (len(prompt) - 1) // block_size
-        ids, hashes = longest_prefix(pool.find, prompt, block_size, salt, max_blocks)
-        table = BlockTable.from_prefix(pool, ids, hashes)
-        hits += len(ids) * block_size
+        req, found = books.open(str(index), prompt, salt)  # at most (len(prompt) - 1) // block_size blocks
+        hits += found * block_size
         queries += len(prompt)
         blocks = len(prompt) // block_size
-        saved_cost += sum(block_cost(d, block_size, attention_ratio) for d in range(len(ids)))
+        saved_cost += sum(block_cost(d, block_size, attention_ratio) for d in range(found))
         total_cost += sum(block_cost(d, block_size, attention_ratio) for d in range(blocks))
         tokens = prompt + list(answer)
         try:
-            table.append_slots(len(tokens) - table.num_tokens)
+            books.extend(req, tokens, len(tokens) - 2)
         except NoFreeBlocks:
-            table.release()
+            books.close(req)
             raise
-        table.commit(tokens, len(tokens) - 2, salt)
         if isinstance(pool, CostAwarePool):
-            pool.note_chain(table, event.session)
+            pool.note_chain(books.hashed_block_ids(req), event.session)
         peak = max(peak, pool.num_blocks - pool.num_free)
-        table.release()
+        books.close(req)
     return {"hit_tokens": hits, "query_tokens": queries, "hit_rate": hits / queries,
             "cost_weighted_hit_rate": saved_cost / total_cost if total_cost else 0.0,
             "peak_blocks": peak, "evictions": pool.evictions,

@@ -1,6 +1,7 @@
 """Suite 4, memory: KV waste and how many sessions a fixed KV budget holds, from the trace.
 
-Three schemes, all with the real bookkeeping (`BlockPool`, `BlockTable`) where they page:
+Three schemes, all with the real bookkeeping (`BlockPool`, tables through the KV cache manager:
+`bench/bookkeeping.py`) where they page:
 * chatcore: paged and shared. A session's first turn looks up its system prompt's blocks
   (shared with every session that uses the same prompt); later turns extend the session's
   own table (as a hot session's pinned chain does).
@@ -27,8 +28,10 @@ import torch
 
 from chatcore.bench.common import Context, reported, target
 from chatcore.bench.workload import Trace, TraceConfig, generate
-from chatcore.cache import BlockPool, BlockTable, cache_salt, longest_prefix
+from chatcore.bench.bookkeeping import Bookkeeping
+from chatcore.cache import BlockPool, cache_salt
 from chatcore.cache.errors import NoFreeBlocks
+from chatcore.engine.request import Request
 from chatcore.kv.tensors import KVTensors
 
 MODEL_CONTEXT = 8192
@@ -39,9 +42,10 @@ class PagedScheme:
 
     def __init__(self, num_blocks: int, block_size: int, shared: bool) -> None:
         self.pool = BlockPool(num_blocks, block_size, low_watermark=0.0, high_watermark=0.0)
+        self.books = Bookkeeping(self.pool)
         self.bs = block_size
         self.shared = shared
-        self.tables: dict[int, BlockTable] = {}
+        self.requests: dict[int, Request] = {}  # each session's table, held as one request's
         self.lengths: dict[int, int] = {}
 
     def salt(self, session: int) -> bytes:
@@ -49,29 +53,26 @@ class PagedScheme:
 
     def extend(self, session: int, tokens: list[int]) -> None:
         """The session's history becomes `tokens` (it only ever grows)."""
-        table = self.tables.get(session)
-        salt = self.salt(session)
-        if table is None:
-            ids, hashes = longest_prefix(self.pool.find, tokens, self.bs, salt, (len(tokens) - 1) // self.bs)
-            table = BlockTable.from_prefix(self.pool, ids, hashes, owner=f"session-{session}")
+        req = self.requests.get(session)
+        if req is None:
+            req, _ = self.books.open(f"session-{session}", tokens, self.salt(session))
         try:
-            table.append_slots(len(tokens) - table.num_tokens)
+            self.books.extend(req, tokens, len(tokens))
         except NoFreeBlocks:
-            if session not in self.tables:
-                table.release()
+            if session not in self.requests:
+                self.books.close(req)
             raise
-        table.commit(tokens, len(tokens), salt)
-        self.tables[session] = table
+        self.requests[session] = req
         self.lengths[session] = len(tokens)
 
     def drop(self, session: int) -> None:
-        self.tables.pop(session).release()
+        self.books.close(self.requests.pop(session))
         self.lengths.pop(session)
 
     def usage(self) -> tuple[int, int]:
         """(reserved slots, slots holding a token): every block in use, counted once."""
         used = self.pool.num_used
-        empty = sum((-t.num_tokens) % self.bs for t in self.tables.values())
+        empty = sum((-length) % self.bs for length in self.lengths.values())  # each table holds its history
         return used * self.bs, used * self.bs - empty
 
 

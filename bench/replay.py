@@ -31,7 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from chatcore.cache import BlockPool, BlockTable, cache_salt, longest_prefix
+from chatcore.bench.bookkeeping import Bookkeeping
+from chatcore.cache import BlockPool, cache_salt
 from chatcore.cache.pool import POLICIES
 from chatcore.cache.prefix import chain_hashes
 
@@ -67,18 +68,15 @@ def pool_hits(trace: Sequence[Request], num_blocks: int, block_size: int, policy
     now = [0.0]
     pool = BlockPool(num_blocks, block_size, low_watermark=0.0, high_watermark=0.0, eviction=policy,
                      clock=lambda: now[0], depth_cost=depth_cost)
+    books = Bookkeeping(pool)
     hits = []
     for index, request in enumerate(trace):
         now[0] = float(index)
-        prompt = list(request.prompt)
-        ids, hashes = longest_prefix(pool.find, prompt, block_size, SALT, lookup_blocks(request, block_size))
-        table = BlockTable.from_prefix(pool, ids, hashes)
-        hits.append(len(ids) * block_size)
-        tokens = list(request.history)
-        table.append_slots(len(tokens) - table.num_tokens)
-        table.commit(tokens, request.computed, SALT)
-        pool.claim(str(request.session), table.block_ids)
-        table.release()
+        req, found = books.open(str(index), list(request.prompt), SALT)  # looks up `lookup_blocks`
+        hits.append(found * block_size)
+        books.extend(req, list(request.history), request.computed)
+        pool.claim(str(request.session), books.block_ids(req))
+        books.close(req)
     return hits
 
 

@@ -51,17 +51,18 @@ def test_hit_rate_replay_matches_oracle_at_full_size_and_policies_stay_consisten
         assert small["hit_rate"] <= oracle["hit_rate"] and small["evictions"] > 0
     # The cost-aware pool keeps the pool's invariants while it evicts.
     pool = hitrate.CostAwarePool(64, 4, low_watermark=0.0, high_watermark=0.0)
-    from chatcore.cache import BlockTable, cache_salt
+    from chatcore.bench.bookkeeping import Bookkeeping
+    from chatcore.cache import cache_salt
 
+    books = Bookkeeping(pool)
     salt = cache_salt("m", 4, "bf16")
     for i in range(40):
-        table = BlockTable(pool)
         tokens = [1, 2, 3, 4] + [100 + i] * 20
-        table.append_slots(len(tokens))
-        table.commit(tokens, len(tokens), salt)
-        pool.note_chain(table, i)
-        table.release()
-        assert audit(pool).ok
+        req, _ = books.open(str(i), tokens, salt)
+        books.extend(req, tokens, len(tokens))
+        pool.note_chain(books.hashed_block_ids(req), i)
+        books.close(req)
+        assert audit(pool).ok and not pool.tables
 
 
 def test_memory_schemes_on_a_small_trace() -> None:

@@ -29,10 +29,10 @@ def test_n4_samples_share_the_prompt_and_are_reproducible(make_core, loaded_fp32
     def watch(plan) -> None:
         report = audit(core.pool)
         peak["used"] = max(peak["used"], report.used)
-        live = [s for r in core.scheduler.running for s in r.live_seqs]
-        if len(live) == 4 and all(s.table is not None for s in live):
+        live = [(r, s) for r in core.scheduler.running for s in r.live_seqs]
+        if len(live) == 4 and all(core.kv_cache.has_table(r, s) for r, s in live):
             full_prompt_blocks = len(prompt) // bs
-            for block_id in live[0].table.block_ids[:full_prompt_blocks]:
+            for block_id in core.kv_cache.block_ids(*live[0])[:full_prompt_blocks]:
                 assert report.refs[block_id] == 4
             peak["checked"] += 1
 
@@ -259,10 +259,10 @@ def test_pool_grows_and_shrinks_under_a_running_request(make_core, loaded_fp32) 
     req = _prompt(core, loaded_fp32, 4, max_tokens=20)
     core.add(req)
     core.step()
-    table_before = list(req.seqs[0].table.block_ids)
+    table_before = list(core.kv_cache.block_ids(req, req.seqs[0]))
     data_before = core.kv.data[:, :, table_before].clone()
     assert core.resize(64) == 64 and core.kv.num_blocks == 64
-    assert req.seqs[0].table.block_ids == table_before
+    assert core.kv_cache.block_ids(req, req.seqs[0]) == table_before
     assert core.resize(8) == core.pool.num_blocks == core.kv.num_blocks
     assert core.pool.num_blocks >= max(table_before) + 1
     assert torch.equal(core.kv.data[:, :, table_before], data_before)

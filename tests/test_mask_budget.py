@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from chatcore.cache import BlockPool, BlockTable
 from chatcore.engine.grammar import ResponseFormat
 from chatcore.engine.mask_budget import BURST_STEPS, MaskBudget
-from chatcore.engine.request import Request, SamplingParams, TokenSequence
+from chatcore.engine.request import Request, RequestState, SamplingParams, TokenSequence
 from chatcore.engine.scheduler import StepPlan
 from tests.engine_helpers import QUESTIONS, chat_ids
 
-POOL = BlockPool(8, 4)
 JSON = ResponseFormat("json_object")
 
 
@@ -21,7 +19,8 @@ def decoding(tenant: str, rows: int, fmt: ResponseFormat | None = JSON) -> Reque
     """A request whose `rows` sequences each decode one token next step."""
     req = Request(f"{tenant}-{id(object())}", [1, 2, 3], SamplingParams(n=max(rows, 1), response_format=fmt),
                   tenant=tenant)
-    req.seqs = [TokenSequence(i, [1, 2, 3, 4], 3, table=BlockTable(POOL), num_computed=3) for i in range(rows)]
+    req.seqs = [TokenSequence(i, [1, 2, 3, 4], 3, num_computed=3) for i in range(rows)]
+    req.state = RequestState.RUNNING
     return req
 
 

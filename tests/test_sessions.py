@@ -81,10 +81,9 @@ async def test_same_system_prompt_blocks_are_shared_then_not_under_tenant_scope(
         system_blocks = len(services.sessions.template.first_turn(LONG_SYSTEM, "x")) // bs - 1
 
         def inspect(core):
-            tables = core.kv_cache.pinned_tables()
-            a, b = (tables[s.id] for s in states)
+            a, b = (core.kv_cache.pinned_block_ids(s.id) for s in states)
             report = audit(core.pool)
-            return a.block_ids[:system_blocks], b.block_ids[:system_blocks], report
+            return a[:system_blocks], b[:system_blocks], report
 
         a_blocks, b_blocks, report = await on_engine_thread(services.engine, inspect)
         assert report.ok

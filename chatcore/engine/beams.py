@@ -49,15 +49,16 @@ class Beams:
                 child = parent
             else:
                 child = TokenSequence(i, snapshots[choice.parent] + [choice.token], parent.prompt_len,
-                                      table=self.kv_cache.fork(parent, f"{req.request_id}/b"),
                                       num_computed=parent.num_computed)
+                self.kv_cache.fork(req, parent, child)
             child.cum_logprob = choice.score
             next_beams.append(child)
         for pos, beam in enumerate(beams):
             if pos not in reused:
                 beam.finish_reason = FinishReason.STOP
-                self.kv_cache.free_seq(beam)
+                self.kv_cache.free_seq(req, beam)
         self._renumber(req, next_beams)
+        self.kv_cache.rename(req)
         if search.done:
             for beam in next_beams:
                 beam.finish_reason = FinishReason.STOP
@@ -66,8 +67,6 @@ class Beams:
     def _renumber(req: Request, beams: list[TokenSequence]) -> None:
         for i, beam in enumerate(beams):
             beam.index = i
-            if beam.table is not None:
-                beam.table.owner = f"{req.request_id}/{i}"
         req.seqs = beams
 
     def finish(self, req: Request, decode: Callable[[list[int]], str]) -> list[CompletedSeq] | None:

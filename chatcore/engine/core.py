@@ -193,8 +193,7 @@ class EngineCore:
         for entry in entries:
             seq = entry.seq
             seq.num_computed = entry.start + entry.num_tokens
-            assert seq.table is not None
-            seq.table.commit(seq.tokens, seq.num_computed, entry.req.salt)
+            self.kv_cache.cache_blocks(entry.req, seq)
         faults = RowFaults()
         sampled = self.step_sampler.sample(entries, logits, faults)
         self.output_processor.process(sampled, outputs, faults)

@@ -1,18 +1,29 @@
 """Every KV table's one owner, on the engine thread only (like vLLM v1's `KVCacheManager`).
 
-A request's sequences get their tables here: `computed_tables` at admission (the prefix held for
-the request, else the pool's longest cached prefix), `allocate_slots` each step, `fork` for samples
-and beams. They give them back here: `free_seq` for one sequence, `free` for a whole request.
+The manager keeps every table: a running request's, one per sequence, keyed by request id and
+sequence; the prefix held for a request being added; the sessions' pins. Nothing outside it (and
+`chatcore.cache`, which defines tables) holds a table or calls its methods: callers name a request
+and a sequence, and get numbers back (`block_ids` for the step's block tables).
 
-A session's finished turn keeps its first sample's table as the session's pin: a lock reference
-held by session id (SGLang's `lock_ref`), which the sessions layer drops by id (`unpin`, `drop`) and
-never holds. Pins expire after the hot window, are trimmed to `max_hot_sessions` and
-`pinned_kv_fraction` of the pool (`tend_pins`), and are reclaimed least recently pinned first when
-the scheduler needs blocks, before any running request is preempted. A released pin's full blocks
-stay findable as cached-free: the session is merely warm.
+A request's sequences get their tables here: `get_computed_blocks` at admission (the prefix held for
+the request, else the pool's longest cached prefix), then `admit` (when `can_admit` says the pool
+takes the rest above its low watermark) or `unwind`; `allocate_slots` each step, which returns None
+when the pool cannot serve (pins reclaimed first), as vLLM's does; `cache_blocks` hashes the computed
+full blocks after the step; `fork` for samples and beams. They give them back here: `finish_seq` as a
+sample stops, `free_seq` for one sequence, `free` for a whole request.
+
+A session's finished turn keeps its first sample's table as the session's pin (the rule:
+`chatcore.engine.pins.keeps_pin`): a lock reference held by session id (SGLang's `lock_ref`), which
+the sessions layer drops by id (`unpin`, `drop`) and never holds. Pins expire after the hot window,
+are trimmed to `max_hot_sessions` and `pinned_kv_fraction` of the pool (`tend_pins`), and are
+reclaimed least recently pinned first when the scheduler needs blocks, before any running request is
+preempted. A released pin's full blocks stay findable as cached-free: the session is merely warm.
 
 A prefix prepared for a request as it is added (the session's pin, or blocks read back from the disk
 tier) is held by request id until the scheduler admits the request, or `free` releases it.
+
+`kv` may be None for the block bookkeeping alone (the benchmarks' replays): then nothing is installed
+from disk or read for it.
 
 Invariant: `_release` is the only code that releases a table (tests/test_kv_ownership.py checks the
 source); reference counts themselves change only in `chatcore.cache.pool`.
@@ -29,9 +40,12 @@ import torch
 
 from chatcore.cache import BlockPool, BlockTable, longest_prefix
 from chatcore.engine.commands import SessionPrefix
+from chatcore.engine.errors import RequestRejected
+from chatcore.engine.pins import keeps_pin
 from chatcore.engine.request import Request, TokenSequence
 from chatcore.kv.tensors import KVTensors
-from chatcore.outcomes import FinishReason
+
+Copy = tuple[int, int]
 
 
 @dataclass(slots=True)
@@ -41,18 +55,38 @@ class Pin:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, kv: KVTensors, hot_window_s: float) -> None:
+    def __init__(self, pool: BlockPool, kv: KVTensors | None, hot_window_s: float) -> None:
         self.pool = pool
         self.kv = kv
         self.block_size = pool.block_size
         self.hot_window_s = hot_window_s
         self._pins: OrderedDict[str, Pin] = OrderedDict()
         self._held: dict[str, BlockTable] = {}
+        self._computed: dict[str, dict[TokenSequence, BlockTable]] = {}  # looked up, not yet admitted
+        self._tables: dict[str, dict[TokenSequence, BlockTable]] = {}  # request id -> sequence -> table
 
     def _release(self, table: BlockTable) -> None:
         """The one place a table is released: its blocks' references drop (deepest first)."""
         if not table.released:
             table.release()
+
+    # ----- what may ever fit ------------------------------------------------------------------
+    def worst_case_blocks(self, req: Request) -> int:
+        """The most blocks a request may hold at once: its prompt, and each sequence's output plus a copied block."""
+        bs = self.block_size
+        prompt_blocks = -(-len(req.prompt) // bs)
+        per_seq = -(-req.params.max_tokens // bs) + 1
+        return prompt_blocks + req.params.num_sequences * per_seq
+
+    def check_fits(self, req: Request) -> None:
+        """Raise `RequestRejected` for a request the pool could never serve (it reads only the pool's size)."""
+        prompt_blocks = -(-len(req.prompt) // self.block_size)
+        admits = self.pool.num_blocks - self.pool.low_watermark_blocks
+        if prompt_blocks > admits:
+            raise RequestRejected(f"the prompt needs {prompt_blocks} KV blocks; the pool admits at most {admits}")
+        if self.worst_case_blocks(req) > self.pool.num_blocks:
+            raise RequestRejected(f"prompt + max_tokens may need {self.worst_case_blocks(req)} KV blocks; "
+                                  f"the pool has {self.pool.num_blocks}")
 
     # ----- admission -------------------------------------------------------------------------
     def prepare(self, req: Request, prefix: SessionPrefix) -> int | None:
@@ -92,62 +126,104 @@ class KVCacheManager:
         table.owner = req.request_id
         self._held[req.request_id] = table
 
-    def computed_tables(self, req: Request, seqs: Sequence[TokenSequence]) -> list[BlockTable]:
-        """Each sequence's starting table (vLLM's `get_computed_blocks`): the prefix held for the
-        request (its first sample), else the pool's longest cached prefix. At least one token is
-        always left to compute, since its logits start the answer. `admit` gives them to the
-        sequences, or `unwind` takes them back when the request stays waiting."""
-        tables: list[BlockTable] = []
+    def get_computed_blocks(self, req: Request, seqs: Sequence[TokenSequence]) -> int:
+        """Look up each sequence's starting table (vLLM's `get_computed_blocks`): the prefix held for
+        the request (its first sample), else the pool's longest cached prefix. At least one token is
+        always left to compute, since its logits start the answer. The tables wait here until `admit`
+        gives them to the sequences, or `unwind` takes them back when the request stays waiting.
+        Returns how many full blocks the first sequence starts with."""
+        tables: dict[TokenSequence, BlockTable] = {}
         for seq in seqs:
             held = self._held.get(req.request_id) if seq.index == 0 else None
             if held is not None and held.num_tokens < len(seq.tokens):
-                tables.append(held)
+                tables[seq] = held
                 continue
             if held is not None:
                 self._release(self._held.pop(req.request_id))
             max_blocks = (len(seq.tokens) - 1) // self.block_size
             ids, hashes = longest_prefix(self.pool.find, seq.tokens, self.block_size, req.salt, max_blocks)
-            tables.append(BlockTable.from_prefix(self.pool, ids, hashes, owner=f"{req.request_id}/{seq.index}"))
-        return tables
+            tables[seq] = BlockTable.from_prefix(self.pool, ids, hashes, owner=f"{req.request_id}/{seq.index}")
+        self._computed[req.request_id] = tables
+        return len(tables[seqs[0]])
 
-    def admit(self, req: Request, seqs: Sequence[TokenSequence], tables: Sequence[BlockTable]) -> None:
+    def can_admit(self, req: Request, *, alone: bool) -> bool:
+        """Whether the pool takes the rest of the looked-up sequences' tokens and keeps its low watermark
+        free (`alone`: nothing runs, so the watermark may be spent); pins are reclaimed first if not."""
+        bs = self.block_size
+        needed = sum(-(-len(seq.tokens) // bs) - len(table) for seq, table in self._computed[req.request_id].items())
+        if self.pool.can_admit(needed) or (alone and self.pool.can_allocate(needed)):
+            return True
+        self.reclaim(needed + self.pool.low_watermark_blocks)
+        return self.pool.can_admit(needed)
+
+    def admit(self, req: Request) -> None:
+        """The looked-up tables become the sequences' own (the held prefix with them)."""
         self._held.pop(req.request_id, None)
-        for seq, table in zip(seqs, tables, strict=True):
+        tables = self._tables.setdefault(req.request_id, {})
+        for seq, table in self._computed.pop(req.request_id).items():
             table.owner = f"{req.request_id}/{seq.index}"
-            seq.table = table
+            tables[seq] = table
             seq.num_computed = table.num_tokens
 
-    def unwind(self, req: Request, tables: Sequence[BlockTable]) -> None:
-        """Take back the tables `computed_tables` gave a request that stays waiting; its held prefix stays held."""
+    def unwind(self, req: Request) -> None:
+        """Take back the tables `get_computed_blocks` looked up for a request that stays waiting; its
+        held prefix stays held."""
         held = self._held.get(req.request_id)
-        for table in tables:
+        for table in self._computed.pop(req.request_id, {}).values():
             if table is not held:
                 self._release(table)
 
     # ----- running sequences -------------------------------------------------------------------
-    @staticmethod
-    def blocks_needed(seq: TokenSequence, num_tokens: int) -> int:
-        assert seq.table is not None
-        return seq.table.blocks_needed(num_tokens)
+    def _table(self, req: Request, seq: TokenSequence) -> BlockTable:
+        return self._tables[req.request_id][seq]
 
-    @staticmethod
-    def allocate_slots(seq: TokenSequence, num_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
+    def has_table(self, req: Request, seq: TokenSequence) -> bool:
+        return seq in self._tables.get(req.request_id, {})
+
+    def block_ids(self, req: Request, seq: TokenSequence) -> list[int]:
+        """The sequence's physical blocks, in logical order (the step's block table row): read, never change."""
+        return self._table(req, seq).block_ids
+
+    def hashed_block_ids(self, req: Request, seq: TokenSequence) -> list[int]:
+        """The sequence's leading blocks whose content is hashed (`cache_blocks`): what a lookup finds."""
+        table = self._table(req, seq)
+        return table.block_ids[: len(table.hashes)]
+
+    def allocate_slots(self, req: Request, seq: TokenSequence, num_tokens: int) -> tuple[list[int], list[Copy]] | None:
         """Slots for the sequence's next `num_tokens`, and the (src, dst) block copies a shared last
-        block needs first (copy-on-write)."""
-        assert seq.table is not None
-        return seq.table.append_slots(num_tokens)
+        block needs first (copy-on-write). None when the pool cannot serve them, even with every pin
+        reclaimed (vLLM's `allocate_slots`): the caller preempts, and nothing changed."""
+        table = self._table(req, seq)
+        needed = table.blocks_needed(num_tokens)
+        if not self.pool.can_allocate(needed):
+            self.reclaim(needed)
+            if not self.pool.can_allocate(needed):
+                return None
+        return table.append_slots(num_tokens)
 
-    @staticmethod
-    def fork(seq: TokenSequence, owner: str) -> BlockTable:
-        """A new table sharing the sequence's blocks (a sample or a beam); its last block is copied on write."""
-        assert seq.table is not None
-        return seq.table.fork(owner=owner)
+    def cache_blocks(self, req: Request, seq: TokenSequence) -> None:
+        """Hash the full blocks among the sequence's computed tokens, so that later lookups find them."""
+        self._table(req, seq).commit(seq.tokens, seq.num_computed, req.salt)
 
-    def free_seq(self, seq: TokenSequence) -> None:
-        if seq.table is not None:
-            self._release(seq.table)
-            seq.table = None
+    def fork(self, req: Request, parent: TokenSequence, child: TokenSequence) -> None:
+        """`child` (a sample or a beam) gets a table sharing the parent's blocks; its last block is copied on write."""
+        self._tables[req.request_id][child] = self._table(req, parent).fork(owner=f"{req.request_id}/{child.index}")
+
+    def rename(self, req: Request) -> None:
+        """Name each of the request's tables after its sequence's index (beams are renumbered every step)."""
+        for seq, table in self._tables.get(req.request_id, {}).items():
+            table.owner = f"{req.request_id}/{seq.index}"
+
+    def free_seq(self, req: Request, seq: TokenSequence) -> None:
+        table = self._tables.get(req.request_id, {}).pop(seq, None)
+        if table is not None:
+            self._release(table)
         seq.num_computed = 0
+
+    def finish_seq(self, req: Request, seq: TokenSequence) -> None:
+        """A sample stopped: its table goes back now, unless it stays for the session's pin (`keeps_pin`)."""
+        if not keeps_pin(req.session_id, seq.index, seq.finish_reason):
+            self.free_seq(req, seq)
 
     def free(self, req: Request) -> list[bytes]:
         """Release every table a request holds, in any state. A session's turn that ended well first
@@ -157,17 +233,21 @@ class KVCacheManager:
         held = self._held.pop(req.request_id, None)
         if held is not None:
             self._release(held)
+        self.unwind(req)
         for seq in req.seqs:
-            self.free_seq(seq)
+            self.free_seq(req, seq)
+        for table in self._tables.pop(req.request_id, {}).values():
+            self._release(table)
         return kept
 
     def _keep(self, req: Request) -> list[bytes]:
-        if req.session_id is None:
-            return []
+        """The table `keeps_pin` keeps (a session's turn that ended well: its first sample's) becomes the
+        session's pin; its block hashes, or []."""
+        session_id, tables = req.session_id, self._tables.get(req.request_id, {})
         for seq in req.seqs:
-            if seq.index == 0 and seq.table is not None and seq.finish_reason not in (None, FinishReason.ERROR):
-                table, seq.table = seq.table, None
-                self._pin(req.session_id, table)
+            if session_id is not None and seq in tables and keeps_pin(session_id, seq.index, seq.finish_reason):
+                table = tables.pop(seq)
+                self._pin(session_id, table)
                 return list(table.hashes)
         return []
 
@@ -200,8 +280,10 @@ class KVCacheManager:
         """Pinned sessions, least recently pinned first."""
         return list(self._pins)
 
-    def pinned_tables(self) -> dict[str, BlockTable]:
-        return {sid: pin.table for sid, pin in self._pins.items()}
+    def pinned_block_ids(self, session_id: str) -> list[int]:
+        """The blocks of the session's pin, in logical order ([] when it holds none)."""
+        pin = self._pins.get(session_id)
+        return list(pin.table.block_ids) if pin is not None else []
 
     def pinned_blocks(self, session_id: str) -> int:
         pin = self._pins.get(session_id)
@@ -269,6 +351,7 @@ class KVCacheManager:
         if not usable or not self.pool.can_admit(len(usable)):
             return table, 0
         try:
+            assert self.kv is not None, "installed from disk without KV tensors"
             table.append_slots(len(usable) * bs)
             for j, tensor in enumerate(usable):
                 self.kv.write_block(table.block_ids[len(ids) + j], tensor)
@@ -292,6 +375,7 @@ class KVCacheManager:
 
     def read(self, hashes: list[bytes]) -> list[tuple[bytes, torch.Tensor]]:
         """The KV of the blocks the pool still holds under these hashes (for the disk tier)."""
+        assert self.kv is not None, "read without KV tensors"
         out = []
         for block_hash in hashes:
             block_id = self.pool.index.get(block_hash)

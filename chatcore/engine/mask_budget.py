@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from chatcore.engine.request import Request, TokenSequence
+from chatcore.engine.request import Request, RequestState, TokenSequence
 
 BURST_STEPS = 4  # how many steps' shares a tenant may save up
 SMOOTHING = 0.2  # the weight of the newest measurement in a running mean
@@ -57,8 +57,9 @@ class MaskBudget:
         share = self.fraction * (self._forward_ms[True] or self._forward_ms[False]) / max(1, len(tenants))
         rows: dict[str, list[TokenSequence]] = {}
         for req in requests:
+            running = req.state is RequestState.RUNNING  # a waiting request's sequences decode nothing yet
             rows.setdefault(req.tenant, []).extend(
-                seq for seq in req.live_seqs if seq.table is not None and seq.to_compute == 1 and constrained(seq))
+                seq for seq in req.live_seqs if running and seq.to_compute == 1 and constrained(seq))
         held: list[TokenSequence] = []
         self._contended = set()
         for tenant, seqs in rows.items():

@@ -75,8 +75,7 @@ class OutputProcessor:
             seq.finish_reason = FinishReason.LENGTH
         if seq.finished:
             text += detok.flush()
-            if not (req.session_id is not None and seq.index == 0):  # a session's turn keeps it to the end
-                self.kv_cache.free_seq(seq)
+            self.kv_cache.finish_seq(req, seq)  # a session's turn keeps its first sample's to the end
         out = outputs.setdefault(req.request_id, RequestOutput(req.request_id))
         out.deltas.append(SeqDelta(seq.index, [token], text, [logprob] if logprob is not None else None))
 

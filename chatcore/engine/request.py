@@ -18,7 +18,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from chatcore.cache import BlockTable, chain_hashes
+from chatcore.cache import chain_hashes
 from chatcore.engine.grammar import ResponseFormat
 from chatcore.engine.outputs import TokenLogprob
 from chatcore.outcomes import ErrorCode, FinishReason
@@ -117,7 +117,6 @@ class TokenSequence:
     index: int
     tokens: list[int]
     prompt_len: int
-    table: BlockTable | None = None
     num_computed: int = 0
     finish_reason: FinishReason | None = None
     stop_text_cut: int | None = None
@@ -158,7 +157,7 @@ class Request:
     cached_tokens: int = 0
     cached_disk_tokens: int = 0
     # The session whose turn this is: when it ends well, its first sample's table becomes the
-    # session's pin (`KVCacheManager.free`) instead of being released.
+    # session's pin (`KVCacheManager.free`, by `chatcore.engine.pins.keeps_pin`) instead of being released.
     session_id: str | None = None
     forked: bool = False
     preemptions: int = 0

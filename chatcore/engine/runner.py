@@ -38,7 +38,7 @@ def _block_tables(entries: list[ScheduledSeq], width: int) -> np.ndarray:
     """[len(entries), width] int32; padding holds block 0, never read past a context."""
     out = np.zeros((len(entries), width), dtype=np.int32)
     for i, entry in enumerate(entries):
-        row = entry.seq.table.block_ids[:width]  # type: ignore[union-attr]
+        row = entry.block_ids[:width]
         out[i, : len(row)] = row
     return out
 

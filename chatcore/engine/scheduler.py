@@ -23,7 +23,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from chatcore.cache import BlockPool, BlockTable
 from chatcore.engine.errors import QueueFull, RequestRejected
 from chatcore.engine.kv_manager import KVCacheManager
 from chatcore.engine.request import Request, RequestState, TokenSequence
@@ -38,6 +37,8 @@ class ScheduledSeq:
     num_tokens: int
     slots: list[int]
     copies: list[tuple[int, int]]
+    # The sequence's physical blocks, in logical order (`KVCacheManager.block_ids`): the step's block table row.
+    block_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -77,7 +78,6 @@ class Scheduler:
                  max_queue_wait_s: float, max_context: int, max_waiting: int = 1024) -> None:
         """`kv_cache`: the owner of every table the scheduler gives a sequence or takes back."""
         self.kv_cache = kv_cache
-        self.pool: BlockPool = kv_cache.pool
         self.block_size = kv_cache.block_size
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
@@ -90,12 +90,6 @@ class Scheduler:
         self._budget = 0
 
     # ----- admission control -----------------------------------------------------------------
-    def worst_case_blocks(self, req: Request) -> int:
-        bs = self.block_size
-        prompt_blocks = -(-len(req.prompt) // bs)
-        per_seq = -(-req.params.max_tokens // bs) + 1
-        return prompt_blocks + req.params.num_sequences * per_seq
-
     def check_fits(self, req: Request) -> None:
         total = len(req.prompt) + req.params.max_tokens
         if not req.prompt:
@@ -103,13 +97,7 @@ class Scheduler:
         if total > self.max_context:
             raise RequestRejected(f"prompt ({len(req.prompt)} tokens) + max_tokens ({req.params.max_tokens}) "
                                   f"exceeds the model's context of {self.max_context} tokens")
-        prompt_blocks = -(-len(req.prompt) // self.block_size)
-        if prompt_blocks > self.pool.num_blocks - self.pool.low_watermark_blocks:
-            raise RequestRejected(f"the prompt needs {prompt_blocks} KV blocks; the pool admits at most "
-                                  f"{self.pool.num_blocks - self.pool.low_watermark_blocks}")
-        if self.worst_case_blocks(req) > self.pool.num_blocks:
-            raise RequestRejected(f"prompt + max_tokens may need {self.worst_case_blocks(req)} KV blocks; "
-                                  f"the pool has {self.pool.num_blocks}")
+        self.kv_cache.check_fits(req)
 
     def add(self, req: Request) -> None:
         self.check_fits(req)
@@ -140,7 +128,7 @@ class Scheduler:
         """Release a running request's blocks; it waits at the front and recomputes."""
         self.running.remove(req)
         for seq in req.seqs:
-            self.kv_cache.free_seq(seq)
+            self.kv_cache.free_seq(req, seq)
         if req.params.beam_width > 1:
             # Beams stream nothing until the end: restart the search from the prompt.
             req.seqs = [TokenSequence(0, list(req.prompt), len(req.prompt))]
@@ -179,14 +167,15 @@ class Scheduler:
             req = self.running[index]
             entries: list[ScheduledSeq] = []
             for seq in req.live_seqs:
-                if seq.table is None or (seq.to_compute == 1) != decode or seq in held:
+                if not self.kv_cache.has_table(req, seq) or (seq.to_compute == 1) != decode or seq in held:
                     continue
                 count = min(seq.to_compute, self._budget)
                 if count <= 0:
                     continue
-                if not self._make_room(self.kv_cache.blocks_needed(seq, count), req, plan):
+                entry = self._reserve(req, seq, count, plan)
+                if entry is None:
                     break
-                entries.append(self._reserve(req, seq, count))
+                entries.append(entry)
                 self._budget -= count
             if req in self.running:
                 (plan.decode if decode else plan.prefill).extend(entries)
@@ -194,23 +183,20 @@ class Scheduler:
             else:
                 self._budget += sum(e.num_tokens for e in entries)
 
-    def _make_room(self, needed: int, req: Request, plan: StepPlan) -> bool:
-        """Preempt youngest-first until `needed` blocks are available; False if `req` itself went."""
-        if not self.pool.can_allocate(needed):
-            self.kv_cache.reclaim(needed)
-        while not self.pool.can_allocate(needed):
+    def _reserve(self, req: Request, seq: TokenSequence, count: int, plan: StepPlan) -> ScheduledSeq | None:
+        """Slots for the sequence's next `count` tokens. While the pool cannot serve them (the manager's
+        `allocate_slots` returns None, the sessions' pins already reclaimed), the youngest running request
+        is preempted; None when that was `req` itself."""
+        start = seq.num_computed
+        while (reserved := self.kv_cache.allocate_slots(req, seq, count)) is None:
             victim = self.running[-1]
             self._budget += plan.drop(victim)
             self.preempt(victim)
             plan.preempted.append(victim)
             if victim is req:
-                return False
-        return True
-
-    def _reserve(self, req: Request, seq: TokenSequence, count: int) -> ScheduledSeq:
-        start = seq.num_computed
-        slots, copies = self.kv_cache.allocate_slots(seq, count)
-        return ScheduledSeq(req, seq, start, count, slots, copies)
+                return None
+        slots, copies = reserved
+        return ScheduledSeq(req, seq, start, count, slots, copies, self.kv_cache.block_ids(req, seq))
 
     def _admit(self, plan: StepPlan) -> None:
         inflight = {h for r in self.running for h in self._inflight(r)}
@@ -220,43 +206,48 @@ class Scheduler:
             seqs = req.live_seqs
             if self.num_running_seqs + len(seqs) > self.max_num_seqs:
                 break
-            tables = self.kv_cache.computed_tables(req, seqs)
-            if self._next_block_inflight(req, tables[0], inflight):
-                self.kv_cache.unwind(req, tables)
+            cached_blocks = self.kv_cache.get_computed_blocks(req, seqs)
+            if self._next_block_inflight(req, cached_blocks, inflight):
+                self.kv_cache.unwind(req)
                 deferred.append(self.waiting.popleft())
                 continue
-            needed = sum(-(-len(s.tokens) // self.block_size) - len(t) for s, t in zip(seqs, tables, strict=True))
-            fits = self.pool.can_admit(needed) or (not self.running and self.pool.can_allocate(needed))
-            if not fits:
-                self.kv_cache.reclaim(needed + self.pool.low_watermark_blocks)
-                fits = self.pool.can_admit(needed)
-            if not fits:
-                self.kv_cache.unwind(req, tables)
+            if not self.kv_cache.can_admit(req, alone=not self.running):
+                self.kv_cache.unwind(req)
                 break
             self.waiting.popleft()
-            self.kv_cache.admit(req, seqs, tables)
+            self.kv_cache.admit(req)
             if req.first_scheduled is None:
                 req.first_scheduled = time.monotonic()
                 req.cached_tokens = seqs[0].num_computed
             req.state = RequestState.RUNNING
             self.running.append(req)
-            for seq in seqs:
-                count = min(seq.to_compute, self._budget)
-                if count <= 0:
-                    continue
-                plan.prefill.append(self._reserve(req, seq, count))
-                self._budget -= count
+            if not self._reserve_prefill(req, seqs, plan):
+                break
             inflight.update(self._inflight(req))
         self.waiting.extendleft(reversed(deferred))
+
+    def _reserve_prefill(self, req: Request, seqs: list[TokenSequence], plan: StepPlan) -> bool:
+        """An admitted request's first chunks; False if the pool could not serve them after all (the
+        request went back to waiting: `_reserve`), which `can_admit` rules out."""
+        for seq in seqs:
+            count = min(seq.to_compute, self._budget)
+            if count <= 0:
+                continue
+            entry = self._reserve(req, seq, count, plan)
+            if entry is None:
+                return False
+            plan.prefill.append(entry)
+            self._budget -= count
+        return True
 
     def _inflight(self, req: Request) -> list[bytes]:
         """Hashes of the prompt blocks a running request is computing and has not committed yet."""
         seq = req.seqs[0]
-        if seq.finished or seq.table is None:
+        if seq.finished or not self.kv_cache.has_table(req, seq):
             return []
         return req.prompt_hashes(self.block_size)[seq.num_computed // self.block_size:]
 
-    def _next_block_inflight(self, req: Request, table: BlockTable, inflight: set[bytes]) -> bool:
+    def _next_block_inflight(self, req: Request, cached_blocks: int, inflight: set[bytes]) -> bool:
         """True if the first block `req` would compute is being computed by a running request.
 
         Such a request waits: the block is committed at the end of the step that computes it,
@@ -266,5 +257,5 @@ class Scheduler:
         if not inflight:
             return False
         hashes = req.prompt_hashes(self.block_size)
-        reusable = min(len(hashes), (len(req.prompt) - 1) // self.block_size)  # as in `computed_tables`
-        return len(table) < reusable and hashes[len(table)] in inflight
+        reusable = min(len(hashes), (len(req.prompt) - 1) // self.block_size)  # as in `get_computed_blocks`
+        return cached_blocks < reusable and hashes[cached_blocks] in inflight

@@ -177,9 +177,8 @@ class StepSampler:
         seq0 = req.seqs[0]
         forks = []
         for child in range(1, req.params.n):
-            fork = TokenSequence(child, list(seq0.tokens), seq0.prompt_len,
-                                 table=self.kv_cache.fork(seq0, f"{req.request_id}/{child}"),
-                                 num_computed=seq0.num_computed)
+            fork = TokenSequence(child, list(seq0.tokens), seq0.prompt_len, num_computed=seq0.num_computed)
+            self.kv_cache.fork(req, seq0, fork)
             req.seqs.append(fork)
             self._penalties.fork(seq0, fork)
             self.grammars.fork(seq0, fork)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from chatcore.cache import chain_hashes
 from chatcore.engine.commands import CachedPrefix, Prefetch, ReadBlocks, SessionPrefix, Unpin
+from chatcore.engine.pins import keeps_pin
 from chatcore.engine.request import Request
 from chatcore.sessions.state import SessionState
 
@@ -122,10 +123,10 @@ class Residency:
     async def settle(self, state: SessionState, pinned_hashes: list[bytes], *, saved: bool) -> None:
         """The engine pinned the finished turn's chain (`pinned_hashes`): its new full blocks go to
         disk in the background; unless the turn was not saved or the session is gone, which gives
-        the pin back."""
+        the pin back (`keeps_pin`, the one rule of a pin)."""
         if not pinned_hashes:
             return
-        if not saved or state.id not in self.sessions.live:
+        if not keeps_pin(state.id, saved=saved, session_live=state.id in self.sessions.live):
             await self.engine.send(Unpin(state.id))
             return
         disk = self.disk
