@@ -31,7 +31,7 @@ def _alice_itl_ms(core: EngineCore, schema: bool, sizes: dict[str, int]) -> tupl
     """Alice's median inter-token ms beside mallory's load, how many of mallory's rows waited a step, and how many
     tokens mallory's rows made meanwhile."""
     tokenizer = core.tokenizer
-    fmt = ResponseFormat("json_schema", COSTLY_SCHEMA, core.grammars.compile(
+    fmt = ResponseFormat("json_schema", COSTLY_SCHEMA, core.grammar_compiler.compile(
         ResponseFormat("json_schema", COSTLY_SCHEMA))) if schema else None
     load = [core.make_request(prompt, SamplingParams(max_tokens=sizes["load_tokens"], n=sizes["n"], temperature=1.0,
                                                      ignore_eos=True, response_format=fmt), tenant="mallory")

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from chatcore.engine.grammar import CompilePolicy, Grammars, ResponseFormat
+from chatcore.engine.grammar import CompilePolicy, GrammarCompiler, ResponseFormat
 from chatcore.engine.grammar_cache import ENTRY_BYTES, entry_bytes
 from tests.reliability_helpers import log_problems, report
 from tests.server_helpers import start_server
@@ -47,17 +47,18 @@ def tokenizer(default_model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(default_model_dir)
 
 
-def grammars(tokenizer: Any, cache_bytes: int) -> Grammars:
-    return Grammars(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}),
+def grammars(tokenizer: Any, cache_bytes: int) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}),
                     CompilePolicy(cache_bytes=cache_bytes))
 
 
 @pytest.fixture(scope="module")
-def uncached(tokenizer: Any) -> Grammars:
+def uncached(tokenizer: Any) -> GrammarCompiler:
     return grammars(tokenizer, 0)
 
 
-def test_the_cache_counts_each_grammar_and_evicts_the_least_recently_used(tokenizer: Any, uncached: Grammars) -> None:
+def test_the_cache_counts_each_grammar_and_evicts_the_least_recently_used(tokenizer: Any,
+                                                                          uncached: GrammarCompiler) -> None:
     small = [fmt(small_schema(f"s{i}")) for i in range(4)]
     sizes = [entry_bytes(uncached.compile(f)) for f in small]
     assert all(size > ENTRY_BYTES for size in sizes)
@@ -73,7 +74,7 @@ def test_the_cache_counts_each_grammar_and_evicts_the_least_recently_used(tokeni
     assert g.compile(small[0]) is kept and g.cache_size_bytes == sizes[0] + sizes[2] + sizes[3]
 
 
-def test_a_grammar_a_request_holds_counts_until_it_is_let_go(tokenizer: Any, uncached: Grammars) -> None:
+def test_a_grammar_a_request_holds_counts_until_it_is_let_go(tokenizer: Any, uncached: GrammarCompiler) -> None:
     a, b, c = (fmt(small_schema(f"held_{tag}")) for tag in "abc")
     size_a, size_b, size_c = (entry_bytes(uncached.compile(f)) for f in (a, b, c))
     g = grammars(tokenizer, size_a + size_b + size_c // 2)  # room for two

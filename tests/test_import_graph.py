@@ -1,10 +1,10 @@
 """The engine's one door, and the layers: checked on the source, without importing it.
 
 Code outside `chatcore.engine` holds an `InferenceEngine` and nothing of what sits behind it: it
-neither imports `EngineCore`, `Scheduler`, `BlockPool` or `KVCacheManager` (nor their modules) nor
-reaches through an engine to them (`.core`, `.scheduler`, `.pool`, `.kv_cache`). The block pool's own
-package, `chatcore.cache`, is below the engine and defines `BlockPool`; the benchmarks (`bench/`)
-measure the core itself. The door takes typed commands only: no `call`, `on_thread` or `core`.
+neither imports `EngineCore`, `Scheduler`, `BlockPool`, `KVCacheManager` or `GrammarMatchers` (nor their
+modules) nor reaches through an engine to them (`.core`, `.scheduler`, `.pool`, `.kv_cache`, `.grammars`).
+The block pool's own package, `chatcore.cache`, is below the engine and defines `BlockPool`; the
+benchmarks (`bench/`) measure the core itself. The door takes typed commands only: no `call`, `on_thread` or `core`.
 
 Every unit (a package, or a top-level module) imports only the units docs/architecture.md's
 `layers` block allows it: the documented graph is the code's graph, store, kernels, bench and the
@@ -21,10 +21,10 @@ from pathlib import Path
 
 from tests.shipped_sources import REPO, ROOT, relative, shipped_files
 
-BEHIND_THE_DOOR = {"EngineCore", "Scheduler", "BlockPool", "KVCacheManager"}
+BEHIND_THE_DOOR = {"EngineCore", "Scheduler", "BlockPool", "KVCacheManager", "GrammarMatchers"}
 HIDDEN_MODULES = {"chatcore.engine.core", "chatcore.engine.scheduler", "chatcore.cache.pool",
-                  "chatcore.engine.kv_manager", "chatcore.engine.command_handlers"}
-REACH_THROUGH = {"core", "scheduler", "pool", "kv_cache", "_core"}
+                  "chatcore.engine.kv_manager", "chatcore.engine.command_handlers", "chatcore.engine.grammar_matchers"}
+REACH_THROUGH = {"core", "scheduler", "pool", "kv_cache", "_core", "grammars"}
 INSIDE = ("engine", "cache", "bench")  # the units that may use what is behind the door
 
 
@@ -137,6 +137,8 @@ def test_the_checks_catch_what_they_look_for() -> None:
         "n = services.engine.core.vocab_size": "reaches through .core",
         "x = engine._core.kv_cache.pinned_sessions": "reaches through .kv_cache",
         "def f(s: 'x') -> None:\n    s.scheduler.check_fits(r)": "reaches through .scheduler",
+        "await engine.grammars.compile_async(fmt, tenant)": "reaches through .grammars",
+        "from chatcore.engine.grammar_matchers import GrammarMatchers": "imports chatcore.engine.grammar_matchers",
     }
     for source, expected in cases.items():
         assert any(expected in v for v in door_violations(source, "chatcore.sessions.turns")), source

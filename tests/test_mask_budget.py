@@ -107,7 +107,7 @@ def test_in_the_engine_a_costly_tenants_rows_wait_while_another_tenant_decodes_e
     """With a share of 1% of a step (the default's effect on latency is the bench's `grammar` suite), the
     review's costly rows are past it on any machine: they wait, and alice's row runs in every step."""
     core = make_core(grammar_mask_share=0.01)
-    fmt = ResponseFormat(COSTLY.kind, COSTLY.schema, core.grammars.compile(COSTLY))
+    fmt = ResponseFormat(COSTLY.kind, COSTLY.schema, core.grammar_compiler.compile(COSTLY))
     load = [core.make_request(chat_ids(core.tokenizer, q), SamplingParams(
         max_tokens=200, n=4, temperature=1.0, ignore_eos=True, response_format=fmt), tenant="mallory")
         for q in QUESTIONS[:2]]

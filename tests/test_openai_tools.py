@@ -154,7 +154,7 @@ async def test_a_required_call_whose_parameters_break_a_schema_limit_is_a_400(cl
                                              tool_choice="required", max_tokens=4)
     error = refused.value.response.json()["error"]
     assert error["code"] == "bad_request" and error["message"].startswith("tools: ") and limit in error["message"]
-    assert tiny_server.services.engine.grammars.compiling == 0
+    assert tiny_server.services.engine.grammar_compiler.compiling == 0
 
 
 async def test_a_conversation_with_a_call_and_its_result_answers(client, tiny_server) -> None:

@@ -73,7 +73,7 @@ def test_json_object_ends_when_the_object_is_complete_even_with_eos_ignored(make
 def test_schemas_are_checked_before_anything_runs(make_core) -> None:
     core = make_core()
     with pytest.raises(GrammarError, match='Unsupported type "frob"'):
-        core.grammars.compile(schema_format({"type": "frob"}))
+        core.grammar_compiler.compile(schema_format({"type": "frob"}))
     for bad in ({"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": []}},
                 {"type": "yaml"}, {"type": "json_object", "schema": {}}, "json"):
         with pytest.raises(ValueError):

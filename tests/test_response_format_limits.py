@@ -82,7 +82,7 @@ async def http(server: InProcessServer) -> AsyncIterator[httpx.AsyncClient]:
 
 
 async def compiles_ended(server: InProcessServer, deadline_s: float = 300) -> None:
-    grammars = server.services.engine.grammars
+    grammars = server.services.engine.grammar_compiler
     deadline = time.monotonic() + deadline_s
     while grammars.compiling:
         assert time.monotonic() < deadline, "a compile never ended"
@@ -97,7 +97,7 @@ def refusal(resp: httpx.Response) -> tuple[int, str, str]:
 @pytest.mark.parametrize(("schema", "limit"), HOSTILE, ids=lambda v: v if isinstance(v, str) else None)
 async def test_a_hostile_schema_is_refused_naming_its_limit_before_anything_compiles(
         server: InProcessServer, http: httpx.AsyncClient, schema: dict[str, Any], limit: str) -> None:
-    grammars = server.services.engine.grammars
+    grammars = server.services.engine.grammar_compiler
     cached = grammars.cache_size_bytes
     status, code, message = refusal(await http.post("/v1/chat/completions", json=body(schema)))
     assert (status, code) == (400, "bad_request") and limit in message, message
@@ -136,7 +136,7 @@ async def test_a_hostile_schema_as_a_websocket_param_gets_an_error_frame(server:
 async def test_refused_requests_compile_nothing_and_the_cache_keeps_to_its_bytes(
         server: InProcessServer, http: httpx.AsyncClient) -> None:
     """The review's 940 MiB: 2,000 distinct schemas refused with 400 each, compiled first, cached without bound."""
-    grammars = server.services.engine.grammars
+    grammars = server.services.engine.grammar_compiler
     created = await http.post("/v1/sessions", json={"title": "t"})
     session = {"X-Session-Id": created.json()["id"]}
     cached = grammars.cache_size_bytes
@@ -153,7 +153,7 @@ async def test_refused_requests_compile_nothing_and_the_cache_keeps_to_its_bytes
 
 async def test_a_slow_schema_is_refused_at_the_time_limit_and_keeps_its_thread_until_its_compile_ends(
         server: InProcessServer, http: httpx.AsyncClient) -> None:
-    grammars = server.services.engine.grammars
+    grammars = server.services.engine.grammar_compiler
     slow, other = slow_pattern(20), slow_pattern(19)
     # Twice at once: the second awaits the first's compile (with a thread of its own it would be busy).
     for resp in await asyncio.gather(*[http.post("/v1/chat/completions", json=body(slow)) for _ in range(2)]):

@@ -55,7 +55,7 @@ def zero_repetition_penalty(core: EngineCore) -> Request:
 
 def empty_grammar(core: EngineCore) -> Request:
     """The review's second trigger, compiled by xgrammar directly (the engine's compile now refuses it)."""
-    compiler = core.grammars._get_compiler()
+    compiler = core.grammar_compiler._get_compiler()
     compiled = compiler.compile_json_schema(json.dumps(SELF_REFERENCE), any_whitespace=False, strict_mode=True)
     return culprit(core, response_format=ResponseFormat("json_schema", json.dumps(SELF_REFERENCE), compiled))
 
@@ -124,8 +124,8 @@ def test_a_fault_in_one_requests_rows_fails_it_alone(make_core, place: str) -> N
 def test_a_grammar_that_allows_no_token_is_refused_at_compile(make_core) -> None:
     core = make_core()
     with pytest.raises(GrammarError, match="no output satisfies it"):
-        core.grammars.compile(ResponseFormat("json_schema", json.dumps(SELF_REFERENCE)))
-    assert core.grammars.compile(ResponseFormat("json_object")) is not None
+        core.grammar_compiler.compile(ResponseFormat("json_schema", json.dumps(SELF_REFERENCE)))
+    assert core.grammar_compiler.compile(ResponseFormat("json_object")) is not None
 
 
 def test_a_matcher_that_raises_in_a_batch_leaves_the_other_rows_masked(make_core) -> None:
@@ -139,7 +139,7 @@ def test_a_matcher_that_raises_in_a_batch_leaves_the_other_rows_masked(make_core
     fill = core.grammars.masks({"t": [(good, 0), (bad, 1)]}, 2, threads=2)
     assert list(fill.failed) == [bad] and "the matcher exploded" in fill.failed[bad]
     allowed = xgrammar.allocate_token_bitmask(1, core.vocab_size)
-    xgrammar.GrammarMatcher(core.grammars.compile(fmt)).fill_next_token_bitmask(allowed, 0)
+    xgrammar.GrammarMatcher(core.grammar_compiler.compile(fmt)).fill_next_token_bitmask(allowed, 0)
     assert fill.bitmask[0].equal(allowed[0])
     assert fill.took_ms["t"] >= 0
     for seq in (good, bad):

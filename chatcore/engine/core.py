@@ -24,7 +24,8 @@ from chatcore.engine.batch_limits import batch_limits
 from chatcore.engine.beams import Beams
 from chatcore.engine.commands import SessionPrefix
 from chatcore.engine.errors import describe_failure
-from chatcore.engine.grammar import CompilePolicy, Grammars
+from chatcore.engine.grammar import CompilePolicy, GrammarCompiler
+from chatcore.engine.grammar_matchers import GrammarMatchers
 from chatcore.engine.kv_manager import KVCacheManager
 from chatcore.engine.mask_budget import MaskBudget
 from chatcore.engine.output_processor import OutputProcessor
@@ -67,8 +68,11 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         beams = Beams(self.kv_cache, lambda req: self.output_processor.stop_ids(req.params))
         self._penalties = Penalties(self.vocab_size, loaded.device)
-        self.grammars = Grammars(self.tokenizer, self.vocab_size, loaded.stop_token_ids, CompilePolicy(
+        # Grammars: the callers' compile half (thread-safe; the door hands it out), and the matchers,
+        # which only this core holds and only the engine thread touches.
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, loaded.stop_token_ids, CompilePolicy(
             settings.grammar_compile_threads, settings.grammar_compile_timeout_s, settings.grammar_cache_mb << 20))
+        self.grammars = GrammarMatchers(self.vocab_size, self.grammar_compiler.compile)
         self.mask_budget = MaskBudget(settings.grammar_mask_share)
         self.step_sampler = StepSampler(self.kv_cache, beams, self._penalties, self.grammars, self.mask_budget,
                                         self.runner.transfers, loaded.device)

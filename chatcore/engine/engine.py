@@ -7,7 +7,9 @@ core (tests/test_import_graph.py checks): the model's constants (`block_size`, `
 (`chatcore/engine/commands.py`) that `send` hands to the engine thread, which handles it between
 two steps; its result comes back on the caller's event loop. No caller code runs on the engine
 thread (`check_fits` reads only the pool's size, on the caller's). Leaving a stream early (the
-consumer is cancelled or stops iterating) aborts the request, so its blocks are always released.
+consumer is cancelled or stops iterating) sends the request's `Abort`, like any other abort, so its
+blocks are always released. What the engine tells callers besides outputs (a lost device) comes out
+as events (`events`, chatcore/engine/events.py), which each caller handles on its own event loop.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from chatcore.engine.command_handlers import CommandHandlers
 from chatcore.engine.commands import Abort, AddRequest, Command, SessionPrefix, Stats
 from chatcore.engine.core import EngineCore
 from chatcore.engine.errors import PrefixOnDisk, describe_failure
-from chatcore.engine.grammar import Grammars
+from chatcore.engine.events import DeviceLost, EngineEvent, EngineEvents
+from chatcore.engine.grammar import GrammarCompiler
 from chatcore.engine.outputs import RequestOutput
 from chatcore.engine.request import Request, SamplingParams
 from chatcore.models.loader import LoadedModel
@@ -50,9 +53,11 @@ class _Stream:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.abandoned = False  # set by the consumer as it leaves: nothing more is delivered
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        if not self.abandoned:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class InferenceEngine:
@@ -65,8 +70,9 @@ class InferenceEngine:
         self.max_context: int = core.scheduler.max_context  # the longest prompt + max_tokens, in tokens
         self.vocab_size: int = core.vocab_size
         self.kv_dtype: torch.dtype = core.kv.dtype
-        # Compiles `response_format`s: thread-safe, and slow (compile off the event loop).
-        self.grammars: Grammars = core.grammars
+        # Compiles `response_format`s (the callers' half; the matchers stay in the core): thread-safe, and
+        # slow (`compile_async` compiles on its pool, off the event loop).
+        self.grammar_compiler: GrammarCompiler = core.grammar_compiler
         self._handlers = CommandHandlers(core, self._dispatch)
         # Published by the engine thread (after each step, and each command, before its result): read
         # on the event loop. The scheduler's count, and the sessions whose chains are pinned.
@@ -90,9 +96,8 @@ class InferenceEngine:
         # Why the last step failed, set by the engine thread and cleared when a step computes again:
         # readiness reads it (chatcore/engine/warmup.py).
         self.failure: str | None = None
-        # Called once, on the engine thread, when the device failed for good (`EngineCore.device_lost`):
-        # the engine stops, and the server exits so that a supervisor restarts it.
-        self.on_device_lost: Callable[[str], None] | None = None
+        # Published by the engine thread, handled on each subscriber's loop (`events`).
+        self._events = EngineEvents()
 
     @classmethod
     def launch(cls, settings: Settings, loaded: LoadedModel) -> InferenceEngine:
@@ -142,6 +147,7 @@ class InferenceEngine:
                 log.exception("engine command failed at shutdown")
         self._fail_all(EngineStopped("the engine is shutting down"))
         self.prefill_quiet.set()  # nothing will compute again: let the waiting writers go
+        self._events.close()
 
     def _step(self) -> bool:
         """One step of the core, its outputs to their streams; whether it ran the model."""
@@ -173,12 +179,11 @@ class InferenceEngine:
             self.pinned_sessions = frozenset(pinned)
 
     def _lose_device(self, cause: str) -> None:
-        """Stop taking work (each later call gets `EngineStopped`), and tell the server."""
+        """Stop taking work (each later call gets `EngineStopped`), and publish `DeviceLost`."""
         log.critical("engine: the device failed and its state is lost (%s); stopping", cause)
         with self._submit_lock:
             self._stopping = True
-        if self.on_device_lost is not None:
-            self.on_device_lost(cause)
+        self._events.publish(DeviceLost(cause))
 
     def _drain_commands(self) -> None:
         while True:
@@ -230,6 +235,21 @@ class InferenceEngine:
     async def send(self, command: Command[T]) -> T:
         """Have the engine thread handle `command` between two steps; its result."""
         return await self._run_on_thread(lambda: self._handlers.handle(command))
+
+    def _post(self, command: Command[Any]) -> None:
+        """Have the engine thread handle `command` as `send` does, its result dropped: for a caller that
+        cannot await (a stream's consumer leaving, its loop maybe closing). `EngineStopped` once stopping."""
+
+        def handle() -> None:
+            self._handlers.handle(command)
+            self._publish_pins()
+
+        self._submit(handle)
+
+    def events(self) -> AsyncIterator[EngineEvent]:
+        """The engine's events (chatcore/engine/events.py) on the caller's event loop, those already
+        published first, until the engine's thread ends."""
+        return self._events.subscribe()
 
     async def _run_on_thread(self, fn: Callable[[], T], *, prefill: bool = False) -> T:
         """`prefill`: `fn` adds a request (see `prefill_quiet`)."""
@@ -291,13 +311,10 @@ class InferenceEngine:
                 if finished:
                     return
         finally:
-            if not finished:
+            if not finished:  # the consumer left: nobody reads the abort's final output
+                stream.abandoned = True
                 with contextlib.suppress(EngineStopped):  # a stopping engine fails every request itself
-                    self._submit(lambda: self._abort_now(request.request_id))
-
-    def _abort_now(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        self._core.abort(request_id)
+                    self._post(Abort(request.request_id))
 
     async def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request in any state; its stream ends with finish reason `cancelled`."""

@@ -1,18 +1,11 @@
-"""Grammar-constrained decoding for `response_format` (JSON, or JSON that a schema validates), by xgrammar.
+"""The callers' half of grammar-constrained decoding for `response_format` (JSON, or JSON that a schema
+validates), by xgrammar: parsing a `response_format`, compiling it into a grammar, caching compiled
+grammars and refusing what cannot be used. The engine's half, each sequence's matcher and its masks,
+is `GrammarMatchers` (chatcore/engine/grammar_matchers.py), which only the engine holds; callers reach
+this half through `InferenceEngine.grammar_compiler`.
 
-Invariants:
-- a constrained sequence only ever samples a token its grammar accepts: each step, every row of a
-  constrained sequence gets its matcher's allowed-token bitmask, built on the host, uploaded in
-  one tensor and applied to the logits on the device before any sampling or penalty;
-- after the step's download, each chosen token advances its sequence's matcher; once the matcher
-  has accepted a stop token (the JSON is complete), the sequence ends with `stop`;
-- a step's masks are filled by one batch call per tenant (xgrammar fills them in C++, on the
-  engine's threads), timed for the tenant's account (chatcore/engine/mask_budget.py). A row whose
-  matcher raises, or whose mask allows no token at all, is reported (`MaskFill.failed`) for its
-  request to fail alone; the other rows are masked as usual;
-- no grammar that allows no first token is ever compiled for a request (`GrammarError`): such a
-  schema (say `{"allOf": [{"$ref": "#"}]}`) is refused at once, not after its request is admitted;
-- a matcher lives exactly as long as its sequence (`admit`/`fork`, `release`).
+No grammar that allows no first token is ever compiled for a request (`GrammarError`): such a
+schema (say `{"allOf": [{"$ref": "#"}]}`) is refused at once, not after its request is admitted.
 
 Compiling needs the tokenizer's vocabulary (built once, lazily: about half a second) and each
 schema once. The server compiles a client's schema with `compile_async`, on the compile pool, and
@@ -46,15 +39,12 @@ import os
 import re
 import sys
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-import torch
 import xgrammar
 
-from chatcore.engine.errors import describe_failure
 from chatcore.engine.grammar_cache import GrammarCache
 from chatcore.engine.schema_limits import SchemaLimits
 from chatcore.outcomes import ErrorCode
@@ -74,7 +64,7 @@ class ResponseFormat:
 
     kind: Literal["json_object", "json_schema", "tool_call"]
     schema: str | None = None  # the schema as canonical JSON text (sorted keys)
-    # The grammar compiled by `Grammars.compile_async`, carried to the engine thread with the request.
+    # The grammar compiled by `GrammarCompiler.compile_async`, carried to the engine thread with the request.
     compiled: xgrammar.CompiledGrammar | None = field(default=None, compare=False, hash=False, repr=False)
 
 
@@ -94,16 +84,6 @@ class GrammarBusy(Exception):
     code = ErrorCode.BUSY
 
 
-@dataclass(slots=True)
-class MaskFill:
-    """A step's masks: the host bitmask [rows, vocab / 32] (rows not filled allow every token), each
-    owner's fill time in ms, and why each failed sequence has no mask."""
-
-    bitmask: torch.Tensor
-    took_ms: dict[str, float]
-    failed: dict[object, str]
-
-
 @dataclass(frozen=True, slots=True)
 class CompilePolicy:
     threads: int = 1  # compiles running at once at most
@@ -111,7 +91,7 @@ class CompilePolicy:
     cache_bytes: int = 64 << 20  # memory of compiled grammars kept for reuse, as `GrammarCache` counts it (0: none)
 
 
-class Grammars:
+class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int],
                  policy: CompilePolicy = CompilePolicy()) -> None:
         self._tokenizer = tokenizer
@@ -121,8 +101,6 @@ class Grammars:
         self._lock = threading.Lock()
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._cache = GrammarCache(policy.cache_bytes)
-        self._matchers: dict[object, xgrammar.GrammarMatcher] = {}  # by sequence
-        self._batchers: dict[int, xgrammar.BatchGrammarMatcher] = {}  # by thread count
         # Compiles in flight (event loop only), each with its owner; finished ones leave at once.
         self._running: dict[ResponseFormat, tuple[asyncio.Future[xgrammar.CompiledGrammar], str]] = {}
 
@@ -223,70 +201,6 @@ class Grammars:
         bitmask = xgrammar.allocate_token_bitmask(1, self._vocab_size)
         xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
         return bool(bitmask.any())
-
-    # ----- sequences (engine thread) ------------------------------------------------------
-    def admit(self, seq: object, fmt: ResponseFormat) -> None:
-        compiled = fmt.compiled if fmt.compiled is not None else self.compile(fmt)
-        self._matchers[seq] = xgrammar.GrammarMatcher(compiled)
-
-    def fork(self, parent: object, child: object) -> None:
-        matcher = self._matchers.get(parent)
-        if matcher is not None:
-            self._matchers[child] = matcher.fork()
-
-    def release(self, seq: object) -> None:
-        self._matchers.pop(seq, None)
-
-    def constrained(self, seq: object) -> bool:
-        return seq in self._matchers
-
-    @property
-    def active(self) -> bool:
-        """Whether any sequence is constrained now."""
-        return bool(self._matchers)
-
-    def masks(self, groups: dict[str, list[tuple[object, int]]], num_rows: int, threads: int) -> MaskFill:
-        """The masks of a step's (sequence, row of logits) pairs, grouped by owner: one batch call an owner,
-        on up to `threads` threads. Where a batch call raises, its rows are filled one by one, so that
-        only the failing ones fail."""
-        bitmask = xgrammar.allocate_token_bitmask(num_rows, self._vocab_size)
-        fill = MaskFill(bitmask, {}, {})
-        for owner, rows in groups.items():
-            start = time.perf_counter()
-            try:
-                self._batcher(min(threads, len(rows))).batch_fill_next_token_bitmask(
-                    [self._matchers[seq] for seq, _ in rows], bitmask, [row for _, row in rows])
-            except Exception:  # find the rows that fail; the others are filled
-                for seq, row in rows:
-                    try:
-                        self._matchers[seq].fill_next_token_bitmask(bitmask, row)
-                    except Exception as exc:
-                        fill.failed[seq] = f"the response_format grammar failed: {describe_failure(exc)}"
-            fill.took_ms[owner] = 1000 * (time.perf_counter() - start)
-        pairs = [pair for rows in groups.values() for pair in rows]
-        allows = bitmask[[row for _, row in pairs]].any(dim=1).tolist()  # one host op for every row
-        for (seq, _), allowed in zip(pairs, allows, strict=True):
-            if seq not in fill.failed and not allowed:
-                fill.failed[seq] = "the response_format grammar allows no next token: the output cannot be completed"
-        return fill
-
-    def _batcher(self, threads: int) -> xgrammar.BatchGrammarMatcher:
-        batcher = self._batchers.get(threads)
-        if batcher is None:
-            batcher = self._batchers[threads] = xgrammar.BatchGrammarMatcher(max_threads=threads)
-        return batcher
-
-    @staticmethod
-    def apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Disallowed tokens of `rows` get -inf, in place (bitmask already on the logits' device)."""
-        xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
-
-    def accept(self, seq: object, token: int) -> bool:
-        """Advance the sequence's matcher; True once its output is complete (a stop token accepted)."""
-        matcher = self._matchers[seq]
-        if not matcher.accept_token(token):
-            raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed")
-        return matcher.is_terminated()
 
 
 def _settle(future: asyncio.Future[xgrammar.CompiledGrammar], result: xgrammar.CompiledGrammar | Exception) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from chatcore.engine.beams import Beams
 from chatcore.engine.detok import IncrementalDetokenizer
-from chatcore.engine.grammar import Grammars
+from chatcore.engine.grammar_matchers import GrammarMatchers
 from chatcore.engine.kv_manager import KVCacheManager
 from chatcore.engine.outputs import CompletedSeq, RequestOutput, SeqDelta, Timings, TokenLogprob, Usage
 from chatcore.engine.request import Request, SamplingParams, TokenSequence
@@ -26,8 +26,8 @@ from chatcore.outcomes import FinishReason
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, stop_token_ids: frozenset[int], kv_cache: KVCacheManager, grammars: Grammars,
-                 beams: Beams) -> None:
+    def __init__(self, tokenizer: Any, stop_token_ids: frozenset[int], kv_cache: KVCacheManager,
+                 grammars: GrammarMatchers, beams: Beams) -> None:
         self.tokenizer = tokenizer
         self.stop_token_ids = stop_token_ids
         self.kv_cache = kv_cache

@@ -19,7 +19,7 @@ import torch
 
 from chatcore.engine.beams import Beams
 from chatcore.engine.choices import StepChoices
-from chatcore.engine.grammar import Grammars
+from chatcore.engine.grammar_matchers import GrammarMatchers
 from chatcore.engine.kv_manager import KVCacheManager
 from chatcore.engine.mask_budget import MaskBudget
 from chatcore.engine.outputs import TokenLogprob
@@ -55,7 +55,7 @@ class Sampled:
 
 
 class StepSampler:
-    def __init__(self, kv_cache: KVCacheManager, beams: Beams, penalties: Penalties, grammars: Grammars,
+    def __init__(self, kv_cache: KVCacheManager, beams: Beams, penalties: Penalties, grammars: GrammarMatchers,
                  mask_budget: MaskBudget, transfers: StepTransfers, device: torch.device) -> None:
         self.kv_cache = kv_cache
         self._beams = beams

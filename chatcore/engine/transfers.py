@@ -43,7 +43,7 @@ class StepTransfers:
         return moved
 
     def upload_bitmask(self, bitmask: torch.Tensor) -> torch.Tensor:
-        """A step's grammar bitmask (chatcore/engine/grammar.py) on the device: the second upload,
+        """A step's grammar bitmask (chatcore/engine/grammar_matchers.py) on the device: the second upload,
         made only by steps that sample a grammar-constrained sequence."""
         return bitmask if self.device.type == "cpu" else bitmask.to(self.device, non_blocking=True)
 

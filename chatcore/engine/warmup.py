@@ -6,17 +6,21 @@ stops the start: `chatcore serve` logs one line with the cause and exits non-zer
 supervisor restarts it or alerts. Later, while the engine's last step failed
 (`InferenceEngine.failure`), `/readyz` runs the same generation again, one at a time: a
 transient failure heals on the next check that generates, a lasting one keeps the server out of
-rotation with its cause.
+rotation with its cause. A lost device is for good: readiness learns of it from the engine's
+`DeviceLost` event, on the event loop, and every later check fails with its cause.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 from chatcore.engine.engine import EngineStopped, InferenceEngine
 from chatcore.engine.errors import describe_failure
+from chatcore.engine.events import DeviceLost
 from chatcore.engine.request import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -59,8 +63,30 @@ class Readiness:
     def __init__(self, engine: InferenceEngine) -> None:
         self.engine = engine
         self._probing = asyncio.Lock()
+        self.device_lost: str | None = None  # the cause, once the engine reported `DeviceLost`
+        self._watching: asyncio.Task[None] | None = None
+
+    def start(self, on_device_lost: Callable[[str], None] | None = None) -> None:
+        """Follow the engine's events on this event loop; `on_device_lost(cause)` runs here too (the
+        server's exit), after readiness has turned."""
+        self._watching = asyncio.create_task(self._watch(on_device_lost), name="readiness-events")
+
+    async def stop(self) -> None:
+        if self._watching is not None:
+            self._watching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watching
+
+    async def _watch(self, on_device_lost: Callable[[str], None] | None) -> None:
+        async for event in self.engine.events():
+            if isinstance(event, DeviceLost):
+                self.device_lost = event.cause
+                if on_device_lost is not None:
+                    on_device_lost(event.cause)
 
     async def check(self) -> None:
+        if self.device_lost is not None:
+            raise NotReady(f"the device failed and its state is lost: {self.device_lost}")
         try:
             await self.engine.stats()
         except EngineStopped as exc:

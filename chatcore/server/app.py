@@ -148,7 +148,7 @@ EXCEPTION_HANDLERS: ExceptionHandlersMap = {Exception: error_handler}  # every e
 def create_app(settings: Settings, loaded: LoadedModel | None = None,
                on_device_lost: Callable[[str], None] | None = None) -> Litestar:
     """An app that starts its services (database, model, engine, sessions) in its lifespan. `on_device_lost`:
-    called on the engine thread when the device failed for good (`chatcore serve` then exits)."""
+    called on the event loop when the engine reports the device lost for good (`chatcore serve` then exits)."""
     return Litestar(
         route_handlers=_route_handlers(),
         lifespan=[_lifespan(settings, loaded, on_device_lost)],

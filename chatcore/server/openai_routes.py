@@ -186,7 +186,7 @@ async def engine_events(services: Services, principal_tenant: str, prompt_of: Ca
     final: RequestOutput | None = None
     try:
         prompt = await services.sessions.tokenize(prompt_of)
-        params = await compile_response_format(engine.grammars, params, principal_tenant)
+        params = await compile_response_format(engine.grammar_compiler, params, principal_tenant)
         context = engine.max_context
         if not max_tokens_given and len(prompt) < context:
             params = replace(params, max_tokens=min(params.max_tokens, context - len(prompt)))

@@ -10,7 +10,7 @@ import msgspec
 from msgspec import Meta
 
 from chatcore.config import Settings
-from chatcore.engine.grammar import Grammars, parse_response_format
+from chatcore.engine.grammar import GrammarCompiler, parse_response_format
 from chatcore.engine.request import MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY, SamplingParams
 from chatcore.engine.schema_limits import SchemaLimits
 from chatcore.outcomes import ErrorCode
@@ -112,7 +112,7 @@ def schema_limits(settings: Settings) -> SchemaLimits:
     return SchemaLimits(settings.max_schema_bytes, settings.max_schema_depth, settings.max_schema_enum_values)
 
 
-async def compile_response_format(grammars: Grammars, params: SamplingParams, tenant_id: str) -> SamplingParams:
+async def compile_response_format(compiler: GrammarCompiler, params: SamplingParams, tenant_id: str) -> SamplingParams:
     """`params` with its grammar compiled (on the compile pool: chatcore/engine/grammar.py), so that a
     schema the compiler cannot use is a 400, not a failed turn. Called once the request holds its
     tenant's turn slot: a compile counts against `max_turns_per_tenant`. A request without a
@@ -120,5 +120,5 @@ async def compile_response_format(grammars: Grammars, params: SamplingParams, te
     if params.response_format is None:
         return params
     # `GrammarError` (`bad_request`) or `GrammarBusy` (`busy`): each carries its code (`to_api_error`)
-    compiled = await grammars.compile_async(params.response_format, tenant_id)
+    compiled = await compiler.compile_async(params.response_format, tenant_id)
     return replace(params, response_format=compiled)

@@ -105,7 +105,7 @@ def serve_command(settings: Settings) -> int:
     # Loaded before anything binds: a model refused at load (models/support.py) is one line and exit 2.
     lost: list[str] = []
 
-    def device_lost(cause: str) -> None:  # on the engine thread: uvicorn's loop reads should_exit every tick
+    def device_lost(cause: str) -> None:  # on the event loop (the engine's `DeviceLost`): uvicorn's reads should_exit
         lost.append(cause)
         server.should_exit = True
 

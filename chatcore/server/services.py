@@ -70,7 +70,6 @@ class Services:
             local = await Repos(session).tenants.get_or_create_tenant(LOCAL_TENANT)
         loaded = loaded or await asyncio.to_thread(load_model, settings)
         engine = await asyncio.to_thread(InferenceEngine.launch, settings, loaded)
-        engine.on_device_lost = on_device_lost
         try:
             await warm_up(engine)
         except NotReady as exc:
@@ -98,8 +97,10 @@ class Services:
         manager.leases.start()
         residency = Residency(manager, engine, disk)
         turns = TurnRunner(manager, engine, residency, settings, metrics)
+        readiness = Readiness(engine)
+        readiness.start(on_device_lost)  # a loss before this is replayed to it
         return cls(settings, db, sessionmaker, engine, metrics, manager, turns, residency, policy, disk, local.id,
-                   loaded.path.name, tiers, Readiness(engine))
+                   loaded.path.name, tiers, readiness)
 
     def limits(self) -> dict[str, int]:
         """What a client may ask for: the largest `max_tokens`, the longest message and the context, in tokens."""
@@ -120,6 +121,7 @@ class Services:
         await self.sessions.leases.stop()  # releases this replica's leases
         self.sessions.close()
         self.engine.shutdown()
+        await self.readiness.stop()
         if self.disk is not None:
             self.disk.close()
         await self.db.dispose()

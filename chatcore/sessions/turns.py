@@ -134,7 +134,7 @@ class TurnRunner:
         if params.response_format is None:
             return params
         # `GrammarError` (`bad_request`) or `GrammarBusy` (`busy`), each carrying its code
-        compiled = await self.engine.grammars.compile_async(params.response_format, tenant_id)
+        compiled = await self.engine.grammar_compiler.compile_async(params.response_format, tenant_id)
         return replace(params, response_format=compiled)
 
     def _prompt(self, state: SessionState, content: str, max_tokens: int, context: int) -> Window:
