@@ -70,12 +70,15 @@ int chatcore_quant_best_isa(void) {
 
 #define P512 2  /* rows of x per pass over a group */
 
-/* The group's ROWS scales (and mins) of block column b as floats. */
-#define LOAD_SCALES(stripe, qtype, d, m)                                                             \
-    do {                                                                                             \
-        _mm256_storeu_ps(d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(stripe))));           \
-        if ((qtype) == Q4_1)                                                                         \
-            _mm256_storeu_ps(m, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((stripe) + 16)))); \
+/* The group's ROWS scales of a stripe into d (floats, for broadcasts), and as a vector the lowest
+   weights' offsets: Q4_1 its mins, Q4_0 -8 d, Q8_0 zeros. */
+#define LOAD_SCALES(stripe, qtype, d, lowest)                                                           \
+    do {                                                                                                \
+        const __m256 scales = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(stripe)));            \
+        _mm256_storeu_ps(d, scales);                                                                    \
+        lowest = (qtype) == Q4_1   ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((stripe) + 16))) \
+                 : (qtype) == Q4_0 ? _mm256_mul_ps(scales, _mm256_set1_ps(-8.0f))                      \
+                                   : _mm256_setzero_ps();                                               \
     } while (0)
 
 T_AVX512 INLINE void block_q4_512(const uint8_t *q, __m512 *lo, __m512 *hi) {
@@ -89,21 +92,22 @@ T_AVX512 INLINE void block_q8_512(const uint8_t *q, __m512 *lo, __m512 *hi) {
     *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
 }
 
-/* One group's outputs for `pair` (1 or 2) rows of x: out[p][r] for r < ROWS. */
+/* One group's outputs for `pair` (1 or 2, a constant where it is inlined) rows of x: out[p][r] for r < ROWS. */
 T_AVX512 INLINE void group_512(const uint8_t *w, int qtype, int64_t blocks, const float *x, const float *sums,
                                int64_t k, int pair, float out[P512][ROWS]) {
     const int64_t stripe = chatcore_quant_stripe_bytes(qtype), qoff = ROWS * scale_bytes(qtype);
     const int64_t qb = quant_bytes(qtype);
     const float *x1 = pair > 1 ? x + k : x;
     __m512 acc[P512][ROWS];
-    float mins[P512][ROWS];
+    __m256 mins[P512] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  /* each row's sum of m_b * s_b, ROWS lanes */
     for (int p = 0; p < P512; p++)
-        for (int r = 0; r < ROWS; r++) acc[p][r] = _mm512_setzero_ps(), mins[p][r] = 0.0f;
+        for (int r = 0; r < ROWS; r++) acc[p][r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *s = w + b * stripe;
         for (int line = 0; line < stripe; line += 64) _mm_prefetch((const char *)s + PREFETCH_BYTES + line, _MM_HINT_T1);
-        float d[ROWS], m[ROWS];
-        LOAD_SCALES(s, qtype, d, m);
+        float d[ROWS];
+        __m256 lowest;
+        LOAD_SCALES(s, qtype, d, lowest);
         const __m512 a0 = _mm512_loadu_ps(x + b * BLOCK), a1 = _mm512_loadu_ps(x + b * BLOCK + 16);
         const __m512 c0 = _mm512_loadu_ps(x1 + b * BLOCK), c1 = _mm512_loadu_ps(x1 + b * BLOCK + 16);
 #pragma GCC unroll 8
@@ -113,15 +117,17 @@ T_AVX512 INLINE void group_512(const uint8_t *w, int qtype, int64_t blocks, cons
             else block_q4_512(s + qoff + r * qb, &lo, &hi);
             const __m512 dr = _mm512_set1_ps(d[r]);
             acc[0][r] = _mm512_fmadd_ps(_mm512_fmadd_ps(hi, a1, _mm512_mul_ps(lo, a0)), dr, acc[0][r]);
-            acc[1][r] = _mm512_fmadd_ps(_mm512_fmadd_ps(hi, c1, _mm512_mul_ps(lo, c0)), dr, acc[1][r]);
+            if (pair > 1) acc[1][r] = _mm512_fmadd_ps(_mm512_fmadd_ps(hi, c1, _mm512_mul_ps(lo, c0)), dr, acc[1][r]);
         }
         if (qtype != Q8_0)
-            for (int p = 0; p < P512; p++)
-                for (int r = 0; r < ROWS; r++)
-                    mins[p][r] += (qtype == Q4_1 ? m[r] : -8.0f * d[r]) * sums[p * (k / BLOCK) + b];
+            for (int p = 0; p < pair; p++)
+                mins[p] = _mm256_fmadd_ps(lowest, _mm256_set1_ps(sums[p * (k / BLOCK) + b]), mins[p]);
     }
-    for (int p = 0; p < pair; p++)
-        for (int r = 0; r < ROWS; r++) out[p][r] = _mm512_reduce_add_ps(acc[p][r]) + mins[p][r];
+    for (int p = 0; p < pair; p++) {
+        float offsets[ROWS];
+        _mm256_storeu_ps(offsets, mins[p]);
+        for (int r = 0; r < ROWS; r++) out[p][r] = _mm512_reduce_add_ps(acc[p][r]) + offsets[r];
+    }
 }
 
 /* ---- AVX2: 8 lanes, a block is four vectors, one row of x per pass ---- */
@@ -151,14 +157,14 @@ T_AVX2 INLINE void group_256(const uint8_t *w, int qtype, int64_t blocks, const 
                              float out[ROWS]) {
     const int64_t stripe = chatcore_quant_stripe_bytes(qtype), qoff = ROWS * scale_bytes(qtype);
     const int64_t qb = quant_bytes(qtype);
-    __m256 acc[ROWS];
-    float mins[ROWS];
-    for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps(), mins[r] = 0.0f;
+    __m256 acc[ROWS], mins = _mm256_setzero_ps();
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *s = w + b * stripe;
         for (int line = 0; line < stripe; line += 64) _mm_prefetch((const char *)s + PREFETCH_BYTES + line, _MM_HINT_T1);
-        float d[ROWS], m[ROWS];
-        LOAD_SCALES(s, qtype, d, m);
+        float d[ROWS];
+        __m256 lowest;
+        LOAD_SCALES(s, qtype, d, lowest);
         const float *xb = x + b * BLOCK;
         const __m256 a0 = _mm256_loadu_ps(xb), a1 = _mm256_loadu_ps(xb + 8), a2 = _mm256_loadu_ps(xb + 16),
                      a3 = _mm256_loadu_ps(xb + 24);
@@ -171,10 +177,11 @@ T_AVX2 INLINE void group_256(const uint8_t *w, int qtype, int64_t blocks, const 
             dot = _mm256_fmadd_ps(v[3], a3, _mm256_fmadd_ps(v[2], a2, dot));
             acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d[r]), acc[r]);
         }
-        if (qtype != Q8_0)
-            for (int r = 0; r < ROWS; r++) mins[r] += (qtype == Q4_1 ? m[r] : -8.0f * d[r]) * sums[b];
+        if (qtype != Q8_0) mins = _mm256_fmadd_ps(lowest, _mm256_set1_ps(sums[b]), mins);
     }
-    for (int r = 0; r < ROWS; r++) out[r] = sum_256(acc[r]) + mins[r];
+    float offsets[ROWS];
+    _mm256_storeu_ps(offsets, mins);
+    for (int r = 0; r < ROWS; r++) out[r] = sum_256(acc[r]) + offsets[r];
 }
 
 /* ---- activations: float32 or bfloat16 rows into float32, and each block's sum ---- */
@@ -227,7 +234,8 @@ T_AVX512 static void rows_512(const uint8_t *w, int qtype, const float *xf, cons
         for (int64_t row = 0; row < m; row += P512) {
             const int pair = m - row < P512 ? (int)(m - row) : P512;
             float out[P512][ROWS];
-            group_512(w + g * group_bytes, qtype, blocks, xf + row * k, sums + row * blocks, k, pair, out);
+            if (pair == P512) group_512(w + g * group_bytes, qtype, blocks, xf + row * k, sums + row * blocks, k, P512, out);
+            else group_512(w + g * group_bytes, qtype, blocks, xf + row * k, sums + row * blocks, k, 1, out);
             for (int p = 0; p < pair; p++)
                 for (int r = 0; r < live; r++) store(y, y_bf16, (row + p) * n + first + r, out[p][r]);
         }
