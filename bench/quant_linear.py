@@ -4,8 +4,8 @@
 
 Times, at 1, 4 and 512 rows of float32 and bfloat16 activations, on 2 threads:
 - `kernels/cpu_quant.py` on Q4_1 blocks (the default model's layers) on every C path this CPU
-  runs (few rows), and its many-row product (a dequantized tile and torch's GEMM) against
-  dequantizing the whole weight and one `F.linear`; Q8_0 (the LM head's type) at the head's shape;
+  runs (few rows), and its many-row product (the weight dequantized, then torch's GEMM) with the
+  dequantization's own share; Q8_0 (the LM head's type) at the head's shape;
 - torch's group-wise int4 kernel (`aten._weight_int4pack_mm_for_cpu`, groups of 32, asymmetric:
   Q4_1's shape), called bare and through torchao's CPU int4 weight (`Int4OpaqueTensor`).
 Few-row products read rotating copies of the weight, `STREAM_BYTES` in all, so the bytes come
@@ -62,8 +62,8 @@ def random_blocks(qtype: str, out_features: int, in_features: int, seed: int = 0
     return raw.view(out_features, -1)
 
 
-def _copies(nbytes: int, rows: int) -> int:
-    return 1 if rows >= 64 else max(1, min(4096, STREAM_BYTES // nbytes))
+def _copies(nbytes: int, rows: int, quick: bool) -> int:
+    return 1 if rows >= 64 else max(1, min(4096, (STREAM_BYTES >> 2 if quick else STREAM_BYTES) // nbytes))
 
 
 def _reps(copies: int, rows: int, out_features: int, quick: bool) -> int:
@@ -90,7 +90,7 @@ def time_int4pack(shape: str, rows: int, dtype: torch.dtype, copy_bw: float, qui
     out_features, in_features = SHAPES[shape]
     packed, scales = int4pack_weight(out_features, in_features, dtype)
     nbytes = packed.nbytes + scales.nbytes
-    weights = [(packed.clone(), scales.clone()) for _ in range(_copies(nbytes, rows))]
+    weights = [(packed.clone(), scales.clone()) for _ in range(_copies(nbytes, rows, quick))]
     x = torch.randn(rows, in_features).to(dtype)
     calls = [lambda w=w: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w[0], 32, w[1]) for w in weights]
     seconds = _best_seconds(calls, _reps(len(weights), rows, out_features, quick))
@@ -108,7 +108,7 @@ def time_torchao(shape: str, rows: int, dtype: torch.dtype, copy_bw: float, quic
     weight = Int4OpaqueTensor.from_hp(torch.randn(out_features, in_features).to(dtype) * 0.02, [1, 32])
     nbytes = weight.qdata.nbytes + weight.scale_and_zero.nbytes
     weights = [weight] + [Int4OpaqueTensor.from_hp(torch.randn(out_features, in_features).to(dtype) * 0.02, [1, 32])
-                          for _ in range(min(_copies(nbytes, rows), 64) - 1)]
+                          for _ in range(min(_copies(nbytes, rows, quick), 64) - 1)]
     x = torch.randn(rows, in_features).to(dtype)
     calls = [lambda w=w: F.linear(x, w) for w in weights]
     seconds = _best_seconds(calls, _reps(len(weights), rows, out_features, quick))
@@ -121,15 +121,15 @@ def time_quant(shape: str, qtype: str, rows: int, dtype: torch.dtype, copy_bw: f
     out_features, in_features = SHAPES[shape]
     weight = cpu_quant.lay_out(random_blocks(qtype, out_features, in_features), qtype, out_features, in_features)
     weights = [weight] + [cpu_quant.QuantWeight(qtype, out_features, in_features, weight.data.clone())
-                          for _ in range(_copies(weight.nbytes(), rows) - 1)]
+                          for _ in range(_copies(weight.nbytes(), rows, quick) - 1)]
     x = torch.randn(rows, in_features).to(dtype)
     reps = _reps(len(weights), rows, out_features, quick)
     if rows <= cpu_quant.FEW_ROWS:
         variants = {f"cpu_quant {path}": lambda w, path=path: cpu_quant._linear(x, w, None, path)
                     for path in cpu_quant.supported_isas()}
     else:
-        variants = {"cpu_quant tile + GEMM": lambda w: cpu_quant.linear(x, w),
-                    "dequantize all + F.linear": lambda w: F.linear(x, cpu_quant.dequantize(w, dtype))}
+        variants = {"cpu_quant dequantize + GEMM": lambda w: cpu_quant.linear(x, w),
+                    "(dequantize only)": lambda w: cpu_quant.dequantize(w, dtype)}
     return [_row(name, qtype, shape, rows, dtype, weight.nbytes(),
                  _best_seconds([lambda w=w, v=variant: v(w) for w in weights], reps), copy_bw)
             for name, variant in variants.items()]
@@ -151,7 +151,7 @@ def run(quick: bool = False, threads: int = 2) -> dict:
             for shape, qtype in _cases(quick):
                 for count in ROWS if not quick else ROWS[:2]:
                     rows += time_quant(shape, qtype, count, dtype, copy_bw, quick)
-                    if qtype == "Q4_1":
+                    if qtype == "Q4_1" and (count < 64 or SHAPES[shape][0] < 10_000):  # int4pack: minutes there
                         rows += [time_int4pack(shape, count, dtype, copy_bw, quick)]
                         rows += [r for r in [time_torchao(shape, count, dtype, copy_bw, quick)] if r is not None]
         return {"cpu_flags": cpu_flags(), "isa": cpu_quant.isa(), "threads": threads,

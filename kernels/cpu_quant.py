@@ -11,9 +11,10 @@ float32 (`d * q`, then `+ m`, each rounded once).
 - up to `FEW_ROWS` rows (decode): the C kernel dequantizes each block in registers, on the best
   path this CPU has (`isa()`: AVX512-BF16, AVX-512F or AVX2 + FMA, found at run time), with
   `torch.get_num_threads()` threads; outputs do not depend on the thread count;
-- more rows (prefill): the C dequantizes `TILE_BYTES` of output rows at a time into the
-  activations' dtype, and torch's GEMM (oneDNN; AMX where the CPU has it) multiplies every row
-  by that tile while it is in cache; a bfloat16 tile rounds each weight once to bfloat16;
+- more rows (prefill): the C dequantizes the weight once per call into the activations' dtype
+  (a bfloat16 weight rounds each float32 weight once), and torch's GEMM (oneDNN; AMX where the
+  CPU has it) multiplies every row by it: measured 3-7x faster than a tile at a time written into
+  the output's columns (torch.mm into a strided `out` is slow);
 - no C path (no compiler, or a CPU with none of these ISAs): `isa()` is "reference", and the
   weights are dequantized in torch and multiplied in float32 (correct, slow).
 
@@ -30,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from chatcore.kernels import native
 
@@ -37,8 +39,7 @@ PROFILER_NAME = "kernels::quant_linear_c"  # how a call shows in torch.profiler
 QTYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 BLOCK = 32  # weights per block
 ROWS = 8  # output rows per group of the layout (cpu_quant.c's ROWS; checked when the library loads)
-FEW_ROWS = 16  # up to this many rows the C kernel multiplies; more go through a dequantized tile and GEMM
-TILE_BYTES = 1 << 20  # a many-row product's dequantized tile, in bytes of the activations' dtype
+FEW_ROWS = 32  # up to this many rows the C kernel multiplies (measured faster at 32); more: dequantize + GEMM
 ISAS = ("avx512bf16", "avx512f", "avx2")  # the C paths, best first; `isa()` may also say "reference"
 _ISA_CODES = {"avx2": 1, "avx512f": 2, "avx512bf16": 3}
 _QTYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
@@ -233,14 +234,10 @@ def _few_rows(x: torch.Tensor, weight: QuantWeight, path: str) -> torch.Tensor:
 
 
 def _many_rows(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
-    """Each tile of output rows dequantized once (C) into x's dtype, then torch's GEMM over all rows of x."""
+    """The whole weight dequantized once (C) into x's dtype, then one torch GEMM over every row of x.
+    Measured faster than a tile at a time into the output's columns (docs/kernels.md, "GGUF blocks")."""
     kernel = _kernel()
     assert kernel is not None
-    out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
-    tile_rows = max(ROWS, TILE_BYTES // (weight.in_features * x.element_size()))
-    tile = torch.empty(min(tile_rows, weight.out_features), weight.in_features, dtype=x.dtype)
-    for first in range(0, weight.out_features, tile_rows):
-        count = min(tile_rows, weight.out_features - first)
-        _dequantize_rows(kernel, weight, tile[:count], first)
-        torch.mm(x, tile[:count].T, out=out[:, first:first + count])
-    return out
+    tile = torch.empty(weight.out_features, weight.in_features, dtype=x.dtype)
+    _dequantize_rows(kernel, weight, tile, 0)
+    return F.linear(x, tile)
