@@ -28,6 +28,7 @@ from tqdm import tqdm
 from chatcore.config import Settings
 
 SUITES = ["single", "throughput", "multiturn", "hitrate", "memory", "sharing", "resume", "server", "sessions", "grammar"]
+ON_REQUEST = ["kernels"]  # run when named, not by `all`: measurements without targets
 OPTIONS = ("sessions", "turns", "kv_cache_gb", "kv_disk_gb")  # suite parameters (the sessions suite's)
 
 
@@ -61,9 +62,10 @@ def bench_command(args: argparse.Namespace, settings: Settings) -> int:
 
     tiny = os.environ.get("CHATCORE_BENCH_TINY", "") not in ("", "0")
     names = SUITES if args.suite == "all" else [s.strip() for s in args.suite.split(",")]
-    unknown = [n for n in names if n not in SUITES]
+    unknown = [n for n in names if n not in SUITES + ON_REQUEST]
     if unknown:
-        print(f"unknown suite(s): {', '.join(unknown)}; choose from {', '.join(SUITES)} or all", file=sys.stderr)
+        print(f"unknown suite(s): {', '.join(unknown)}; choose from {', '.join(SUITES + ON_REQUEST)} or all",
+              file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -165,7 +167,7 @@ def exit_code(suites: dict[str, Any], failures: int, *, fail_on_missed: bool) ->
 def _write(path: Path, ctx: Any, mode: dict[str, Any], suites: dict[str, Any], busy: list[str]) -> None:
     targets = [{"suite": name, **t} for name in SUITES if name in suites for t in suites[name].get("targets", [])]
     data = {"mode": mode, "machine": ctx.machine(), "busy_at_start": busy, "targets": targets,
-            "suites": {name: suites[name] for name in SUITES if name in suites}}
+            "suites": {name: suites[name] for name in SUITES + ON_REQUEST if name in suites}}
     path.write_text(json.dumps(_clean(data), indent=1, default=_json_default))
 
 

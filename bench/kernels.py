@@ -1,6 +1,8 @@
-"""Paged decode attention: the Triton kernel against the torch reference and dense SDPA.
+"""Kernels: paged decode attention (the Triton kernel against the torch reference and dense SDPA),
+and on the CPU the linears on GGUF's quantized blocks (bench/quant_linear.py).
 
     python -m chatcore.bench.kernels [--quick]
+    chatcore bench --suite kernels [--quick]     (the quantized linears only, with the CPU's flags)
 
 On CUDA it times the kernel (with its split heuristic and a sweep of fixed splits), the
 reference and SDPA over already-gathered, contiguous K/V (what attention costs without
@@ -9,7 +11,9 @@ of the device's copy bandwidth (a large device-to-device `copy_`). The goal is >
 batch 32, 4k context, fp16, block size 16.
 
 On CPU the Triton kernel cannot run compiled, so only the reference (the engine's CPU path)
-and dense SDPA are timed, plus the reference variants docs/kernels.md compares, on 2 threads.
+and dense SDPA are timed, plus the reference variants docs/kernels.md compares, on 2 threads,
+and the quantized linears: GB/s of weight bytes at SmolLM2-135M's shapes against a 512 MiB copy,
+per C path, and torch's own int4 kernel.
 """
 
 from __future__ import annotations
@@ -20,12 +24,17 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from chatcore.bench import quant_linear
 from chatcore.kernels import dispatch as kernels
 from chatcore.kernels import reference
+
+if TYPE_CHECKING:
+    from chatcore.bench.common import Context
 
 
 @dataclass(frozen=True)
@@ -235,7 +244,16 @@ def decode_row(cfg: Config, device: torch.device, copy_bw: float, reps: int, spl
     return row
 
 
-def run(quick: bool = False) -> dict:
+def run(ctx: Context) -> dict:
+    """`chatcore bench --suite kernels`: the quantized linears (bench/quant_linear.py) on the run's
+    threads, each line logged, with the CPU's flags and the path `cpu_quant.isa()` chose; no targets."""
+    result = quant_linear.run(quick=ctx.quick or ctx.tiny, threads=ctx.threads)
+    for line in quant_linear.lines(result):
+        ctx.log(line)
+    return {"quant_linear": result, "targets": []}
+
+
+def measure(quick: bool = False) -> dict:
     """Run the benchmark; returns the measurements (also what `python -m chatcore.bench.kernels` prints)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     reps = 3 if quick else 10
@@ -274,6 +292,7 @@ def run(quick: bool = False) -> dict:
                 Config(64, 2048, 9, 3, 64, 16, "bfloat16"),
             ]
             result["cpu_reference_variants"] = [row for cfg in variant_configs for row in cpu_variants(cfg, reps)]
+            result["quant_linear"] = quant_linear.run(quick=quick, threads=2)
         return result
     finally:
         torch.set_num_threads(threads)
@@ -295,6 +314,8 @@ def _print(result: dict) -> None:
             c = row["config"]
             print(f"  S={c['num_seqs']} ctx<={c['max_context']} {c['dtype']:9s} {row['variant']:32s} "
                   f"{row['ms']:8.1f} ms  max err {row['max_abs_error_vs_fp64']:.1e}")
+    if "quant_linear" in result:
+        print("\n" + "\n".join(quant_linear.lines(result["quant_linear"])))
 
 
 def main() -> None:
@@ -302,7 +323,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args()
-    result = run(quick=args.quick)
+    result = measure(quick=args.quick)
     print(json.dumps(result, indent=2) if args.json else "", end="")
     if not args.json:
         _print(result)
