@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from chatcore.bench import hitrate, memory
+from chatcore.bench import hitrate, memory, peers
 from chatcore.bench.workload import TraceConfig, generate
 from chatcore.kernels import cpu_pointwise
 from tests.bench_fixtures import BenchRun
@@ -19,6 +19,9 @@ from tests.bench_fixtures import BenchRun
 # SmolLM2-135M's attention FLOPs per position over its linear FLOPs per token (4 x 30 layers x 9
 # heads x 64 / (2 x 134,515,008)); `hitrate.run` takes it from the loaded model.
 RATIO = 4 * 30 * 9 * 64 / (2 * 134_515_008)
+# Whether llama.cpp's Python binding (`make bench-peers`) is installed: the single suite then runs it.
+PEER = int(peers.missing() is None)
+NOT_BUILT = "llama-cpp-python is not installed: run make bench-peers"
 
 
 
@@ -88,7 +91,7 @@ def test_bench_all_quick_tiny(bench_all_quick_tiny: BenchRun) -> None:
             assert {"name", "value", "op", "threshold", "met", "verdict"} <= set(t)
         for plot in suite["plots"]:
             assert (tmp_path / plot).stat().st_size > 1000
-    assert len(data["targets"]) == 29
+    assert len(data["targets"]) == 29 + PEER  # the single suite's llama.cpp target where the binding ran
     assert [t["name"] for t in data["targets"] if t["met"] is None] == [  # reported, no verdict
         suites[s]["targets"][i]["name"] for s, i in (("hitrate", 0), ("memory", 0), ("resume", 1),
                                                       *(("sessions", i) for i in range(1, 6)),
@@ -130,7 +133,7 @@ def test_baselines_are_named_and_their_repeats_judged(bench_all_quick_tiny: Benc
     """Issue 36, target 6, in the tiny run (one repeat: every baseline says it was measured once)."""
     suites = bench_all_quick_tiny.results["suites"]
     # targets with a timed baseline
-    timed = {"single": 1, "throughput": 7, "multiturn": 1, "resume": 1, "server": 1, "sessions": 2, "grammar": 1}
+    timed = {"single": 1 + PEER, "throughput": 7, "multiturn": 1, "resume": 1, "server": 1, "sessions": 2, "grammar": 1}
     for name, count in timed.items():
         judged = [t for t in suites[name]["targets"] if t.get("baseline_runs") is not None]
         assert len(judged) == count, name
@@ -303,9 +306,110 @@ def test_single_suite_tiny(bench_all_quick_tiny: BenchRun) -> None:
     assert compiled.get("decode_tok_s") or compiled["compile"]["error"]
     if shutil.which(LLAMA_SERVER) is None:
         assert systems["llama_server"] == {"skipped": f"{LLAMA_SERVER} is not on PATH"}
+    if not PEER:  # the binding's absence is reported with the step that installs it, and nothing is judged
+        assert systems["llama_cpp"] == {"skipped": NOT_BUILT} and "decode_over_llama_cpp" not in suite
+    else:  # the binding ran the same prompt, all of it evaluated (no prompt cache), for as many tokens
+        peer = systems["llama_cpp"]
+        assert peer["tokens"] == new and peer["prompt_evaluated"] == suite["prompt_tokens"] and peer["weights"] == "Q4_1"
+        assert suite["decode_over_llama_cpp"] == pytest.approx(chatcore["decode_tok_s"] / peer["decode_tok_s"])
+        assert suite["targets"][1]["value"] == suite["decode_over_llama_cpp"] and suite["targets"][1]["threshold"] == 1.25
+    for name, system in systems.items():  # every system that ran names its weights and dtype
+        assert "skipped" in system or {"weights", "dtype"} <= set(system), name
+    assert systems["chatcore"]["weights"] == data["machine"]["weights"] and systems["hf_static"]["weights"] == "full"
     table = (bench_all_quick_tiny.out / "table.md").read_text()
     assert "| system (single suite: one chat) |" in table and data["machine"]["cpu_flags"] is not None
     assert f"{data['machine']['dtype']}, full weights" in table
+    assert "| weights, dtype |" in table and f"| full, {data['machine']['dtype']} |" in table
+    if not PEER:
+        assert f"| llama.cpp (`llama-cpp-python`, in process) | n/a: {NOT_BUILT} |" in table
+
+
+@pytest.mark.model
+def test_every_suite_names_the_cpu_and_weights_it_ran(bench_all_quick_tiny: BenchRun) -> None:
+    """results.json's header has the CPU block (model name, the flags that choose chatcore's kernels,
+    cores, threads), read from /proc/cpuinfo; every suite carries it with the weights and dtype it ran."""
+    import re
+
+    from chatcore.bench.common import CPU_FLAGS
+
+    data = bench_all_quick_tiny.results
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
+    flags_line = re.search(r"^flags\s*:(.*)$", cpuinfo, re.M)
+    assert model and flags_line
+    has = sorted(f for f in CPU_FLAGS if re.search(rf"(?<!\S){f}(?!\S)", flags_line.group(1)))
+    machine = data["machine"]
+    assert data["cpu"] == {"model": model.group(1).strip(), "flags": has, "cores": os.cpu_count(),
+                           "threads": machine["threads"]}
+    for name, suite in data["suites"].items():
+        assert suite["measured_on"] == {"cpu": data["cpu"], "device": "cpu", "weights": machine["weights"],
+                                        "dtype": machine["dtype"]}, name
+    assert "was measured on another CPU" not in (bench_all_quick_tiny.out / "table.md").read_text()
+
+
+def test_table_names_a_suite_kept_from_another_cpu() -> None:
+    """A suite kept from an earlier run on another CPU is named with that CPU under the table."""
+    from chatcore.bench.report import markdown_table
+
+    here = {"model": "Xeon A", "flags": ["avx2", "avx512f"], "cores": 2, "threads": 2}
+    there = {"model": "Laptop B", "flags": ["avx2"], "cores": 8, "threads": 4}
+    suites = {"memory": {"measured_on": {"cpu": here}, "targets": []},
+              "hitrate": {"measured_on": {"cpu": there}, "targets": []}}
+    table = markdown_table({"machine": {}, "cpu": here, "targets": [], "suites": suites})
+    assert "Suite hitrate was measured on another CPU: Laptop B (avx2), 4 threads." in table
+    assert "Suite memory" not in table
+
+
+def test_llama_cpp_peer_is_skipped_with_the_step_that_installs_it(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the binding the single suite's llama.cpp says `run make bench-peers`; with it, a model it
+    cannot have (none known, or a file that is no GGUF) is skipped with the reason, never half-run."""
+    from types import SimpleNamespace
+
+    from chatcore.bench import single
+
+    ctx = SimpleNamespace(settings=SimpleNamespace(model="default"), threads=2)
+    if not PEER:
+        assert single.load_peer(ctx, [1, 2, 3]).skipped == NOT_BUILT
+        assert peers.LlamaCpp.load(tmp_path / "x.Q4_1.gguf", 2, 64).skipped == NOT_BUILT
+        return
+    monkeypatch.setattr(single, "_gguf", lambda _ctx: None)
+    assert single.load_peer(ctx, [1, 2, 3]).skipped.startswith("no GGUF file for model default")
+    broken = tmp_path / "broken.Q4_1.gguf"
+    broken.write_bytes(b"GGUF\x03\x00")
+    skipped = peers.LlamaCpp.load(broken, 2, 64).skipped
+    assert skipped is not None and "broken.Q4_1.gguf" in skipped and skipped.endswith("(run make bench-peers)")
+
+
+@pytest.mark.model
+def test_llama_cpp_binding_decodes_the_gguf_greedily(default_model_dir: Path) -> None:
+    """Where `make bench-peers` installed the binding: the default model's GGUF decodes the requested
+    tokens, each turn from an empty context (the whole prompt evaluated, the same tokens again), and
+    its first token is transformers' greedy one on the dequantized float32 weights."""
+    pytest.importorskip("llama_cpp")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from chatcore.models.fetch import find_gguf
+
+    gguf = find_gguf()
+    assert gguf is not None
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True, tokenize=True, return_dict=False)
+    peer = peers.LlamaCpp.load(gguf, 2, 256)
+    assert peer.skipped is None and peer.weights == "Q4_1"
+    try:
+        first, again = peer.generate(prompt, 8), peer.generate(prompt, 8)
+    finally:
+        peer.close()
+    assert len(first.token_ids) == len(first.times) == 8 and first.times == sorted(first.times)
+    assert first.times[0] > first.start and first.own_decode_tok_s > 0
+    assert first.prompt_evaluated == again.prompt_evaluated == len(prompt) and again.token_ids == first.token_ids
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+    assert first.token_ids[0] == int(logits.argmax())
 
 
 FAKE_LLAMA_SERVER = """#!{python}
