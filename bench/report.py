@@ -165,7 +165,7 @@ def _single_table(suite: dict[str, Any]) -> list[str]:
         if key == "chatcore":
             ttft = f"{ttft} cold, {_num(systems.get('chatcore_warm', {}).get('ttft_s', float('nan')) * 1e3)} warm"
         lines.append(f"| {label} | {_num(s['decode_tok_s'])} | {_num(s.get('itl_p50_ms'))} / "
-                     f"{_num(s.get('itl_p99_ms'))} | {ttft} | {_num(s['decode_tok_s'] / bound)} | "
+                     f"{_num(s.get('itl_p99_ms'))} | {ttft} | {_share(key, s['decode_tok_s'], bound)} | "
                      f"{s.get('weights', '?')}, {s.get('dtype', '?')} |")
     memory = suite.get("memory", {})
     warm = suite.get("systems", {}).get("chatcore_warm", {})
@@ -181,6 +181,15 @@ def _single_table(suite: dict[str, Any]) -> list[str]:
                      f"{peer.get('version', '')} on {peer.get('weights')} blocks of the same GGUF at the same threads "
                      f"(llama.cpp's own counters: {_num(peer.get('own_decode_tok_s'))} tok/s).")
     return lines
+
+
+GGUF_SYSTEMS = ("llama_server", "llama_cpp")
+
+
+def _share(key: str, decode: float, bound: float) -> str:
+    """A system's decode over the memory bound of chatcore's weights; llama.cpp reads the GGUF's bytes
+    per token, another bound, so its share of this one is not shown."""
+    return "n/a: reads the GGUF's bytes" if key in GGUF_SYSTEMS else _num(decode / bound)
 
 
 def _sessions_table(suite: dict[str, Any]) -> list[str]:
