@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,31 @@ def missing() -> str | None:
     if importlib.util.find_spec("llama_cpp") is None:
         return f"{PACKAGE} is not installed: {BUILD_HINT}"
     return None
+
+
+@contextmanager
+def _no_extra_buffers() -> Iterator[None]:
+    """`Llama` built inside this block loads its weights without ggml's extra CPU buffer types
+    (`use_extra_bufts` off: the AMX and repacked layouts), which `Llama`'s arguments cannot ask for.
+
+    A `GGML_NATIVE=ON` build on an AMX CPU puts Q4_1 and Q8_0 weights in AMX buffers, and on the
+    AMX Xeon here their first product dies with SIGILL at `tilezero` (2026-12-06, llama-cpp-python
+    0.3.36), taking the bench with it. Without them ggml multiplies the GGUF's blocks with its
+    AVX-512 / AVX2 dot products, as on the CPUs without AMX where the anchors were measured."""
+    import llama_cpp.llama_cpp as low
+
+    default = low.llama_model_default_params
+
+    def params() -> Any:
+        chosen = default()
+        chosen.use_extra_bufts = False
+        return chosen
+
+    low.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = default
 
 
 @dataclass
@@ -65,8 +92,9 @@ class LlamaCpp:
         try:
             import llama_cpp
 
-            llm = llama_cpp.Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
-                                  verbose=False)
+            with _no_extra_buffers():
+                llm = llama_cpp.Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+                                      verbose=False)
         except LOAD_ERRORS as exc:
             return cls(skipped=f"{PACKAGE} did not load {gguf.name}: {type(exc).__name__}: {exc} ({BUILD_HINT})")
         return cls(llm=llm, gguf=gguf, weights=gguf.stem.rsplit(".", 1)[-1], version=llama_cpp.__version__)
