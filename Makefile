@@ -17,7 +17,7 @@ LOCK := requirements.lock
 # make serve TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 TORCH ?= $(shell grep -m1 '^torch==' $(LOCK))
 
-.PHONY: setup serve test stress chromium services model bench gpu-check gpu-prepare lock clean
+.PHONY: setup serve test stress chromium services model bench bench-peers gpu-check gpu-prepare lock clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -77,6 +77,15 @@ stress: setup
 
 bench: setup
 	$(VENV)/bin/chatcore bench --suite all
+
+# The peers `chatcore bench` compares with, into .venv: llama.cpp's Python binding, built from source for
+# this CPU (GGML_NATIVE=ON; about 7 minutes on 2 cores), at the version the anchors used. Not part of
+# setup or test; without it the single suite reports llama.cpp as skipped ("run make bench-peers").
+# --no-cache-dir: a wheel cached by an earlier build may be for another CPU or flags; -c: what the lock
+# pins stays as it is.
+LLAMA_CPP_PYTHON ?= llama-cpp-python==0.3.36
+bench-peers: $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) install --no-cache-dir -c $(LOCK) $(LLAMA_CPP_PYTHON)
 
 # The checks that need a CUDA GPU (bench/gpu_check.py, docs/kernels.md); one line and exit 0 where there is
 # none. No setup: it runs with .venv's python where there is one, else python3 (a lent GPU machine's image),

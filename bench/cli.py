@@ -2,8 +2,10 @@
 
 Each suite measures its own baselines in the same run and reports ratios and targets.
 Output in DIR (default bench/results):
-* results.json: machine facts, then per suite its measurements, targets, and how busy the
-  machine was meanwhile (other processes on a shared machine disturb timings). Suites run
+* results.json: machine facts and the CPU (`cpu`: model name, flags, cores, threads), then per
+  suite its measurements, targets, what they were measured on (`measured_on`: the CPU, device,
+  weights and dtype) and how busy the machine was meanwhile (other processes on a shared machine
+  disturb timings). Suites run
   now replace their entries; entries of suites not run now are kept if the mode matches.
 * <suite>.png plots, and table.md (the Markdown table that README's Performance section shows).
 
@@ -130,6 +132,7 @@ def _run_suite(name: str, ctx: Any) -> tuple[dict[str, Any], bool]:
         traceback.print_exc()
         result = {"error": f"{type(exc).__name__}: {exc}", "targets": []}
     result["cpu"] = monitor.report()
+    result["measured_on"] = ctx.measured_on()
     result["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     return result, failed
 
@@ -166,7 +169,10 @@ def exit_code(suites: dict[str, Any], failures: int, *, fail_on_missed: bool) ->
 
 def _write(path: Path, ctx: Any, mode: dict[str, Any], suites: dict[str, Any], busy: list[str]) -> None:
     targets = [{"suite": name, **t} for name in SUITES if name in suites for t in suites[name].get("targets", [])]
-    data = {"mode": mode, "machine": ctx.machine(), "busy_at_start": busy, "targets": targets,
+    from chatcore.bench.common import cpu_block
+
+    data = {"mode": mode, "machine": ctx.machine(), "cpu": cpu_block(ctx.threads), "busy_at_start": busy,
+            "targets": targets,
             "suites": {name: suites[name] for name in SUITES + ON_REQUEST if name in suites}}
     path.write_text(json.dumps(_clean(data), indent=1, default=_json_default))
 

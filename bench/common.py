@@ -189,12 +189,24 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+# The CPU flags that choose chatcore's CPU kernels and dtype (AVX2, AVX-512F, AVX512-BF16, VNNI, AMX).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
+
+
 def cpu_flags() -> list[str]:
+    """Which of `CPU_FLAGS` the CPU has: the first `flags` line of /proc/cpuinfo, word by word."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return []
-    return sorted({f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f" {f}" in text})
+    words = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+    return sorted(words & set(CPU_FLAGS))
+
+
+def cpu_block(threads: int) -> dict[str, Any]:
+    """The CPU a figure was measured on: its model name, which of `CPU_FLAGS` it has, its cores and
+    the threads the run used."""
+    return {"model": cpu_model(), "flags": cpu_flags(), "cores": os.cpu_count(), "threads": threads}
 
 
 @dataclass
@@ -256,6 +268,15 @@ class Context:
     @property
     def tokenizer(self):
         return self.loaded.tokenizer
+
+    def measured_on(self) -> dict[str, Any]:
+        """What every figure of a suite was measured with: the CPU (`cpu_block`), the device, the weights
+        setting and the dtype. Each suite's result carries it, so a suite kept from an earlier run
+        still names its own CPU."""
+        from chatcore.models.device import resolve_device
+
+        return {"cpu": cpu_block(self.threads), "device": resolve_device(self.settings.device).type,
+                "weights": self.settings.weights, "dtype": self.dtype_name}
 
     def machine(self) -> dict[str, Any]:
         import transformers

@@ -52,7 +52,7 @@ def plot(suite: str, result: dict[str, Any], out: Path) -> list[str]:
 
 def _plot_single(r: dict[str, Any], out: Path) -> list[str]:
     names = {"chatcore": "chatcore", "hf_static": "HF static\ncache", "hf_static_compiled": "HF static\ncompiled",
-             "llama_server": "llama-server"}
+             "llama_server": "llama-server", "llama_cpp": "llama.cpp\n(binding)"}
     systems = [k for k in names if r["systems"].get(k, {}).get("decode_tok_s")]
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -38,10 +38,22 @@ def markdown_table(data: dict[str, Any]) -> str:
     lines += _single_table(suites.get("single", {}))
     lines += _throughput_table(suites.get("throughput", {}))
     lines += _sessions_table(suites.get("sessions", {}))
+    lines += _measured_elsewhere(data.get("cpu"), suites)
     for name, s in suites.items():
         if s.get("error"):
             lines.append(f"\nSuite {name} failed: {s['error']}")
     return "\n".join(lines) + "\n"
+
+
+def _measured_elsewhere(cpu: dict[str, Any] | None, suites: dict[str, Any]) -> list[str]:
+    """A line for each suite, kept from an earlier run, that was measured on another CPU than the header's."""
+    lines = []
+    for name, s in suites.items():
+        theirs = s.get("measured_on", {}).get("cpu")
+        if cpu and theirs and theirs != cpu:
+            lines.append(f"\nSuite {name} was measured on another CPU: {theirs['model']} "
+                         f"({', '.join(theirs['flags']) or 'none of the flags above'}), {theirs['threads']} threads.")
+    return lines
 
 
 def _preamble(machine: dict[str, Any]) -> list[str]:
@@ -132,7 +144,8 @@ def _efficiency(efficiency: dict[str, Any]) -> list[str]:
 SINGLE_SYSTEMS = {"chatcore": "chatcore (in-process engine)",
                   "hf_static": "transformers `generate`, static cache",
                   "hf_static_compiled": "transformers `generate`, static cache, compiled",
-                  "llama_server": "llama.cpp `llama-server`"}
+                  "llama_server": "llama.cpp `llama-server`",
+                  "llama_cpp": "llama.cpp (`llama-cpp-python`, in process)"}
 
 
 def _single_table(suite: dict[str, Any]) -> list[str]:
@@ -140,19 +153,20 @@ def _single_table(suite: dict[str, Any]) -> list[str]:
     if not systems:
         return []
     lines = ["", "| system (single suite: one chat) | decode tok/s | ITL p50 / p99 (ms) | TTFT (ms) | "
-             "share of the memory bound |", "|---|---|---|---|---|"]
+             "share of the memory bound | weights, dtype |", "|---|---|---|---|---|---|"]
     bound = suite.get("memory_bound_tok_s") or float("nan")
     for key, label in SINGLE_SYSTEMS.items():
         s = systems.get(key, {})
         if "decode_tok_s" not in s:
             why = s.get("skipped") or s.get("compile", {}).get("error") or "not measured"
-            lines.append(f"| {label} | n/a: {why} | | | |")
+            lines.append(f"| {label} | n/a: {why} | | | | |")
             continue
         ttft = _num(s["ttft_s"] * 1e3) if s.get("ttft_s") is not None else "n/a"
         if key == "chatcore":
             ttft = f"{ttft} cold, {_num(systems.get('chatcore_warm', {}).get('ttft_s', float('nan')) * 1e3)} warm"
         lines.append(f"| {label} | {_num(s['decode_tok_s'])} | {_num(s.get('itl_p50_ms'))} / "
-                     f"{_num(s.get('itl_p99_ms'))} | {ttft} | {_num(s['decode_tok_s'] / bound)} |")
+                     f"{_num(s.get('itl_p99_ms'))} | {ttft} | {_share(key, s['decode_tok_s'], bound)} | "
+                     f"{s.get('weights', '?')}, {s.get('dtype', '?')} |")
     memory = suite.get("memory", {})
     warm = suite.get("systems", {}).get("chatcore_warm", {})
     lines.append(f"\nOne chat: {suite.get('prompt_tokens')} prompt tokens, {suite.get('sizes', {}).get('new_tokens')} "
@@ -161,7 +175,21 @@ def _single_table(suite: dict[str, Any]) -> list[str]:
                  f"at {_num(memory.get('copy_bandwidth_bytes_s', 0) / 1e9)} GB/s (a copy, bytes read + written). "
                  f"The warm turn: {_num(warm.get('prompt_tokens'))} prompt tokens, "
                  f"{_num(warm.get('cached_tokens'))} from the prefix cache.")
+    if suite.get("decode_over_llama_cpp") is not None:
+        peer = systems["llama_cpp"]
+        lines.append(f"chatcore decodes {_num(suite['decode_over_llama_cpp'])}x as fast as llama.cpp "
+                     f"{peer.get('version', '')} on {peer.get('weights')} blocks of the same GGUF at the same threads "
+                     f"(llama.cpp's own counters: {_num(peer.get('own_decode_tok_s'))} tok/s).")
     return lines
+
+
+GGUF_SYSTEMS = ("llama_server", "llama_cpp")
+
+
+def _share(key: str, decode: float, bound: float) -> str:
+    """A system's decode over the memory bound of chatcore's weights; llama.cpp reads the GGUF's bytes
+    per token, another bound, so its share of this one is not shown."""
+    return "n/a: reads the GGUF's bytes" if key in GGUF_SYSTEMS else _num(decode / bound)
 
 
 def _sessions_table(suite: dict[str, Any]) -> list[str]:

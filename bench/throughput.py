@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from chatcore.bench import baselines, efficiency
+from chatcore.bench import baselines, efficiency, peers
 from chatcore.bench.common import Context, GemmChain, gemm_flops, median, num_params, target
 from chatcore.bench.engine_runs import chat_prompts, fresh_core, run_batch
 from chatcore.bench.workload import chat_workload
@@ -144,7 +144,8 @@ def _systems(runs: dict[str, list[baselines.BatchRun]], sequential: int, cb_erro
     systems["hf_sequential"]["requests"] = sequential
     if cb_error is not None:
         systems["hf_generate_batch"] = {"error": cb_error, "tok_s": float("nan")}
-    systems["llama_cpp"] = {"skipped": "llama-cpp-python is not installed (optional anchor)"}
+    systems["llama_cpp"] = {"skipped": peers.missing() or "this suite does not run llama.cpp: the single suite does "
+                                                        "(one chat, on the same GGUF and threads)"}
     return systems
 
 

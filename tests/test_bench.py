@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from chatcore.bench import hitrate, memory
+from chatcore.bench import hitrate, memory, peers
 from chatcore.bench.workload import TraceConfig, generate
 from chatcore.kernels import cpu_pointwise
 from tests.bench_fixtures import BenchRun
@@ -19,6 +19,9 @@ from tests.bench_fixtures import BenchRun
 # SmolLM2-135M's attention FLOPs per position over its linear FLOPs per token (4 x 30 layers x 9
 # heads x 64 / (2 x 134,515,008)); `hitrate.run` takes it from the loaded model.
 RATIO = 4 * 30 * 9 * 64 / (2 * 134_515_008)
+# Whether llama.cpp's Python binding (`make bench-peers`) is installed: the single suite then runs it.
+PEER = int(peers.missing() is None)
+NOT_BUILT = "llama-cpp-python is not installed: run make bench-peers"
 
 
 
@@ -89,7 +92,7 @@ def test_bench_all_quick_tiny(bench_all_quick_tiny: BenchRun) -> None:
             assert {"name", "value", "op", "threshold", "met", "verdict"} <= set(t)
         for plot in suite["plots"]:
             assert (tmp_path / plot).stat().st_size > 1000
-    assert len(data["targets"]) == 29
+    assert len(data["targets"]) == 29 + PEER  # the single suite's llama.cpp target where the binding ran
     assert [t["name"] for t in data["targets"] if t["met"] is None] == [  # reported, no verdict
         suites[s]["targets"][i]["name"] for s, i in (("hitrate", 0), ("memory", 0), ("resume", 1),
                                                       *(("sessions", i) for i in range(1, 6)),
@@ -131,7 +134,7 @@ def test_baselines_are_named_and_their_repeats_judged(bench_all_quick_tiny: Benc
     """Issue 36, target 6, in the tiny run (one repeat: every baseline says it was measured once)."""
     suites = bench_all_quick_tiny.results["suites"]
     # targets with a timed baseline
-    timed = {"single": 1, "throughput": 7, "multiturn": 1, "resume": 1, "server": 1, "sessions": 2, "grammar": 1}
+    timed = {"single": 1 + PEER, "throughput": 7, "multiturn": 1, "resume": 1, "server": 1, "sessions": 2, "grammar": 1}
     for name, count in timed.items():
         judged = [t for t in suites[name]["targets"] if t.get("baseline_runs") is not None]
         assert len(judged) == count, name
@@ -304,67 +307,108 @@ def test_single_suite_tiny(bench_all_quick_tiny: BenchRun) -> None:
     assert compiled.get("decode_tok_s") or compiled["compile"]["error"]
     if shutil.which(LLAMA_SERVER) is None:
         assert systems["llama_server"] == {"skipped": f"{LLAMA_SERVER} is not on PATH"}
+    if not PEER:  # the binding's absence is reported with the step that installs it, and nothing is judged
+        assert systems["llama_cpp"] == {"skipped": NOT_BUILT} and "decode_over_llama_cpp" not in suite
+    else:  # the binding ran the same prompt, all of it evaluated (no prompt cache), for as many tokens
+        peer = systems["llama_cpp"]
+        assert peer["tokens"] == new and peer["prompt_evaluated"] == suite["prompt_tokens"] and peer["weights"] == "Q4_1"
+        assert suite["decode_over_llama_cpp"] == pytest.approx(chatcore["decode_tok_s"] / peer["decode_tok_s"])
+        assert suite["targets"][1]["value"] == suite["decode_over_llama_cpp"] and suite["targets"][1]["threshold"] == 1.25
+    for name, system in systems.items():  # every system that ran names its weights and dtype
+        assert "skipped" in system or {"weights", "dtype"} <= set(system), name
+    assert systems["chatcore"]["weights"] == data["machine"]["weights"] and systems["hf_static"]["weights"] == "full"
     table = (bench_all_quick_tiny.out / "table.md").read_text()
     assert "| system (single suite: one chat) |" in table and data["machine"]["cpu_flags"] is not None
     assert f"{data['machine']['dtype']}, full weights" in table
+    assert "| weights, dtype |" in table and f"| full, {data['machine']['dtype']} |" in table
+    if not PEER:
+        assert f"| llama.cpp (`llama-cpp-python`, in process) | n/a: {NOT_BUILT} |" in table
 
 
-FAKE_LLAMA_SERVER = """#!{python}
-import json, sys
-from http.server import BaseHTTPRequestHandler, HTTPServer
+@pytest.mark.model
+def test_every_suite_names_the_cpu_and_weights_it_ran(bench_all_quick_tiny: BenchRun) -> None:
+    """results.json's header has the CPU block (model name, the flags that choose chatcore's kernels,
+    cores, threads), read from /proc/cpuinfo; every suite carries it with the weights and dtype it ran."""
+    import re
 
-port = int(sys.argv[sys.argv.index("--port") + 1])
+    from chatcore.bench.common import CPU_FLAGS
 
-
-class Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
-        self.end_headers()
-        self.wfile.write(b'{{"status": "ok"}}')
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        assert isinstance(body["prompt"], list) and body["ignore_eos"] is True, body
-        reply = {{"timings": {{"predicted_n": body["n_predict"], "predicted_per_second": 99.0, "prompt_ms": 12.0,
-                              "predicted_per_token_ms": 10.1}}}}
-        data = json.dumps(reply).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+    data = bench_all_quick_tiny.results
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
+    flags_line = re.search(r"^flags\s*:(.*)$", cpuinfo, re.M)
+    assert model and flags_line
+    has = sorted(f for f in CPU_FLAGS if re.search(rf"(?<!\S){f}(?!\S)", flags_line.group(1)))
+    machine = data["machine"]
+    assert data["cpu"] == {"model": model.group(1).strip(), "flags": has, "cores": os.cpu_count(),
+                           "threads": machine["threads"]}
+    for name, suite in data["suites"].items():
+        assert suite["measured_on"] == {"cpu": data["cpu"], "device": "cpu", "weights": machine["weights"],
+                                        "dtype": machine["dtype"]}, name
+    assert "was measured on another CPU" not in (bench_all_quick_tiny.out / "table.md").read_text()
 
 
-HTTPServer(("127.0.0.1", port), Handler).serve_forever()
-"""
+def test_table_names_a_suite_kept_from_another_cpu() -> None:
+    """A suite kept from an earlier run on another CPU is named with that CPU under the table."""
+    from chatcore.bench.report import markdown_table
+
+    here = {"model": "Xeon A", "flags": ["avx2", "avx512f"], "cores": 2, "threads": 2}
+    there = {"model": "Laptop B", "flags": ["avx2"], "cores": 8, "threads": 4}
+    suites = {"memory": {"measured_on": {"cpu": here}, "targets": []},
+              "hitrate": {"measured_on": {"cpu": there}, "targets": []}}
+    table = markdown_table({"machine": {}, "cpu": here, "targets": [], "suites": suites})
+    assert "Suite hitrate was measured on another CPU: Laptop B (avx2), 4 threads." in table
+    assert "Suite memory" not in table
 
 
-def test_llama_server_on_path_is_run_on_the_gguf_and_asked_over_http(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """A stand-in `llama-server` on PATH: the suite starts it on the model's GGUF, waits for /health,
-    and reads one request's decode rate from /completion's timings; with none on PATH, the reason."""
+def test_llama_cpp_peer_is_skipped_with_the_step_that_installs_it(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the binding the single suite's llama.cpp says `run make bench-peers`; with it, a model it
+    cannot have (none known, or a file that is no GGUF) is skipped with the reason, never half-run."""
     from types import SimpleNamespace
 
     from chatcore.bench import single
 
     ctx = SimpleNamespace(settings=SimpleNamespace(model="default"), threads=2)
-    monkeypatch.setenv("PATH", str(tmp_path))
-    assert single.LlamaServer.start(ctx).skipped == "llama-server is not on PATH"
-    fake = tmp_path / "llama-server"
-    fake.write_text(FAKE_LLAMA_SERVER.format(python=sys.executable))
-    fake.chmod(0o755)
-    gguf = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    gguf.write_bytes(b"GGUF")
-    monkeypatch.setattr(single, "_gguf", lambda _ctx: gguf)
-    server = single.LlamaServer.start(ctx)
-    try:
-        assert server.skipped is None and server.weights == "Q4_1", server.skipped
-        assert server.complete([1, 2, 3], 16) == {"tokens": 16, "decode_tok_s": 99.0, "prefill_s": 0.012,
-                                                  "itl_mean_ms": 10.1}
-    finally:
-        server.stop()
-    assert server.process is not None and server.process.poll() is not None
+    if not PEER:
+        assert single.load_peer(ctx, [1, 2, 3]).skipped == NOT_BUILT
+        assert peers.LlamaCpp.load(tmp_path / "x.Q4_1.gguf", 2, 64).skipped == NOT_BUILT
+        return
     monkeypatch.setattr(single, "_gguf", lambda _ctx: None)
-    assert single.LlamaServer.start(ctx).skipped.startswith("no GGUF file for model default")
+    assert single.load_peer(ctx, [1, 2, 3]).skipped.startswith("no GGUF file for model default")
+    broken = tmp_path / "broken.Q4_1.gguf"
+    broken.write_bytes(b"GGUF\x03\x00")
+    skipped = peers.LlamaCpp.load(broken, 2, 64).skipped
+    assert skipped is not None and "broken.Q4_1.gguf" in skipped and skipped.endswith("(run make bench-peers)")
+
+
+@pytest.mark.model
+def test_llama_cpp_binding_decodes_the_gguf_greedily(default_model_dir: Path) -> None:
+    """Where `make bench-peers` installed the binding: the default model's GGUF decodes the requested
+    tokens, each turn from an empty context (the whole prompt evaluated, the same tokens again), and
+    they are llama.cpp's own greedy choice (its sampler at top_k=1, which stops at nothing either)."""
+    pytest.importorskip("llama_cpp")
+    from transformers import AutoTokenizer
+
+    from chatcore.models.fetch import find_gguf
+
+    gguf = find_gguf()
+    assert gguf is not None
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True, tokenize=True, return_dict=False)
+    peer = peers.LlamaCpp.load(gguf, 2, 256)
+    assert peer.skipped is None and peer.weights == "Q4_1"
+    try:
+        first, again = peer.generate(prompt, 8), peer.generate(prompt, 8)
+        sampled = []
+        for token in peer.llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            sampled.append(token)
+            if len(sampled) == 8:
+                break
+    finally:
+        peer.close()
+    assert len(first.token_ids) == len(first.times) == 8 and first.times == sorted(first.times)
+    assert first.times[0] > first.start and first.own_decode_tok_s > 0
+    assert first.prompt_evaluated == again.prompt_evaluated == len(prompt) and again.token_ids == first.token_ids
+    assert first.token_ids == sampled
