@@ -18,11 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from chatcore.cache import audit
 from chatcore.config import Settings
 from chatcore.engine.core import EngineCore
 from chatcore.engine.request import SamplingParams
 from chatcore.kernels import cpu_quant
-from chatcore.models.fetch import GGUF_FILE, default_model_dir
+from chatcore.models.fetch import GGUF_FILE
+from chatcore.models.fetch import default_model_dir as model_folder
 from chatcore.models.gguf_weights import QuantLinear, UnsupportedGGUF
 from chatcore.models.loader import LoadedModel, load_model
 from tests.engine_helpers import LONG_SYSTEM, QUESTIONS, chat_ids, hf_greedy, run_to_end, top1_agreement
@@ -42,7 +44,7 @@ def _greedy(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> l
     for req in requests:
         core.add(req)
     finals = run_to_end(core)
-    report = core.audit()
+    report = audit(core.pool)
     assert report.ok and report.used == 0, report.format()
     return [finals[r.request_id].outputs[0].token_ids for r in requests]
 
@@ -67,6 +69,20 @@ def test_auto_is_the_default_and_a_model_that_is_no_gguf_loads_as_full(tmp_path:
 # --- the default model --------------------------------------------------------------------------------
 
 
+@pytest.mark.model
+def test_model_fetch_keeps_the_gguf_as_it_is_in_a_folder_converted_without_it(tmp_path: Path,
+                                                                             default_model_dir: Path) -> None:
+    from chatcore.models.fetch import COMPLETE_MARKER, fetch_default_model, find_gguf
+
+    folder = model_folder(tmp_path)
+    folder.mkdir(parents=True)
+    (folder / COMPLETE_MARKER).write_text("complete\n")  # converted before the GGUF was kept
+    assert fetch_default_model(tmp_path) == (folder, True)
+    assert (folder / GGUF_FILE).read_bytes() == find_gguf().read_bytes()
+    assert fetch_default_model(tmp_path) == (folder, False)
+    assert sorted(p.name for p in folder.iterdir()) == sorted([COMPLETE_MARKER, GGUF_FILE])  # no staging left
+
+
 @pytest.fixture(scope="module")
 def gguf_fp32(default_model_dir: Path) -> LoadedModel:
     torch.set_num_threads(2)
@@ -76,7 +92,7 @@ def gguf_fp32(default_model_dir: Path) -> LoadedModel:
 @pytest.mark.model
 def test_the_default_model_serves_its_gguf_blocks_as_transformers_dequantized_them(gguf_fp32, hf_model,
                                                                                    loaded_fp32) -> None:
-    assert (default_model_dir(Settings().cache_dir) / GGUF_FILE).is_file()  # model fetch keeps it
+    assert (gguf_fp32.path / GGUF_FILE).is_file()  # model fetch keeps it
     assert gguf_fp32.dtype == torch.float32
     linears = _quant_linears(gguf_fp32.model)
     assert len(linears) == 30 * 7 + 1
