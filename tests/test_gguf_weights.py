@@ -39,11 +39,15 @@ EQUAL_PROMPTS = 7
 
 
 def _greedy(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    core = EngineCore(loaded, Settings(dtype=loaded.dtype_name, num_blocks=512, debug_audit=True))
+    # A step of the reference stand-in (kernels/cpu_quant.py before the C kernel) takes seconds on a
+    # busy machine: no request may fail for its wait in the queue.
+    core = EngineCore(loaded, Settings(dtype=loaded.dtype_name, num_blocks=512, debug_audit=True,
+                                       max_queue_wait_s=3600))
     requests = [core.make_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
     for req in requests:
         core.add(req)
     finals = run_to_end(core)
+    assert all(finals[r.request_id].error is None for r in requests)
     report = audit(core.pool)
     assert report.ok and report.used == 0, report.format()
     return [finals[r.request_id].outputs[0].token_ids for r in requests]
@@ -112,8 +116,9 @@ def test_fidelity_against_transformers_on_the_dequantized_float32_weights(gguf_f
     prompts = [chat_ids(tok, q) for q in QUESTIONS] + [chat_ids(tok, q, LONG_SYSTEM) for q in QUESTIONS]
     outputs = _greedy(gguf_fp32, prompts, NEW_TOKENS)
     agreement, where = top1_agreement(hf_model, prompts, outputs)
-    with torch.inference_mode():
-        equal = [hf_greedy(hf_model, p, NEW_TOKENS) == out for p, out in zip(prompts[:8], outputs[:8], strict=True)]
+    with torch.inference_mode():  # transformers stops at EOS, which the engine ignored: equal up to there
+        references = [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts[:8]]
+    equal = [ref == out[:len(ref)] for ref, out in zip(references, outputs[:8], strict=True)]
     print(f"GGUF blocks ({cpu_quant.isa()}), float32 activations: top-1 agreement {agreement:.4f} over "
           f"{len(prompts) * NEW_TOKENS} tokens (prompts where not: {where}); greedy equal on {sum(equal)} of 8")
     assert agreement >= AGREEMENT
@@ -156,8 +161,9 @@ def test_a_gguf_file_serves_its_blocks_equal_to_transformers_on_the_same_file(ti
     twin = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name, dtype=torch.float32)
     prompts = [chat_ids(loaded.tokenizer, q) for q in QUESTIONS[:3]]
     ours = _greedy(loaded, prompts, 12)
-    with torch.inference_mode():
-        assert ours == [hf_greedy(twin.eval(), p, 12) for p in prompts]
+    with torch.inference_mode():  # transformers stops at EOS, which the engine ignored: equal up to there
+        references = [hf_greedy(twin.eval(), p, 12) for p in prompts]
+    assert all(ref and ref == out[:len(ref)] for ref, out in zip(references, ours, strict=True))
     assert cli.main(["generate", "--model", str(tiny_gguf), "--device", "cpu", "--weights", "auto",
                      "--prompt", QUESTIONS[0], "--max-tokens", "12", "--temperature", "0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["outputs"][0]["token_ids"] == ours[0]
