@@ -422,7 +422,8 @@ def weight_bytes(model: Any) -> dict[str, int]:
     * `read`: what one decode step reads for each sequence: every linear as the forward multiplies it
       at one row (a packed bfloat16 linear's copy in the few-row kernel's layout,
       `weight_layout.PackedLinear.few_rows`, where it has one, else its oneDNN copy, `packed`; int8
-      values with their scales, `int8_weights.Int8Linear`; else the weight), the norms and every
+      values with their scales, `int8_weights.Int8Linear`; a GGUF linear's blocks in `cpu_quant`'s
+      layout, `gguf_weights.QuantLinear`; else the weight), the norms and every
       other parameter and buffer, but not an input embedding table (a token reads one row of it)
       unless a linear reads the same storage (an LM head tied to it);
     * `held`: every storage the model holds (tensor subclasses by their inner tensors; stand-ins of
@@ -435,6 +436,10 @@ def weight_bytes(model: Any) -> dict[str, int]:
                                      for name in ("few_rows", "packed", "int8_scales", "int8_pre_scale")]
         for tensor in [few_rows, packed, *scales]:
             _add_storage(held, tensor)
+        quant = getattr(module, "quant", None)  # a GGUF linear's blocks (models/gguf_weights.QuantLinear)
+        if quant is not None:
+            _add_storage(read, quant.data)
+            _add_storage(held, quant.data)
         if isinstance(module, torch.nn.Linear):
             int8 = hasattr(module, "int8_scales")
             inputs = [module.weight.qdata] if int8 else [] if hasattr(module, "packed") else [module.weight]

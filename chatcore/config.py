@@ -40,18 +40,22 @@ class Settings(BaseSettings):
     port: int = Field(8000, description="port to listen on")
 
     # Model and compute.
-    model: str = Field(DEFAULT_MODEL, description="a local Hugging Face folder, a hub id (org/name) from the local HF "
-                       "cache, or 'default' (the converted SmolLM2)")
+    model: str = Field(DEFAULT_MODEL, description="a local Hugging Face folder, a local .gguf file (architecture "
+                       "llama), a hub id (org/name) from the local HF cache, or 'default' (SmolLM2's GGUF and its "
+                       "converted folder)")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
                         description="auto: cuda when torch sees a GPU, else cpu; or cpu, cuda, cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="model dtype; auto: bfloat16 on a GPU that supports it (else float16), on the CPU "
-        "bfloat16 with AVX-512 BF16/AMX, else float32")
+        "bfloat16 with AVX-512 BF16/AMX, else float32; with a GGUF's blocks (weights=auto) float32 activations")
     kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="KV cache storage dtype; auto: the model's dtype (exact)")
-    weights: Literal["full", "int8"] = Field(
-        "full", description="full: the linears in the model's dtype; int8: the decoder layers' linears as int8 "
-        "weights (torchao, AWQ scales found at load; CPU only), the LM head and the rest in the model's dtype")
+    weights: Literal["auto", "full", "int8"] = Field(
+        "auto", description="auto: on the CPU, a GGUF model (the default model, or model=PATH.gguf) serves its "
+        "own quantized blocks (Q4_0, Q4_1, Q8_0: the decoder's linears and the LM head), elsewhere and for any "
+        "other model as full; full: the linears in the model's dtype (a GGUF dequantized); int8: the decoder "
+        "layers' linears as int8 weights (torchao, AWQ scales found at load; CPU only), the LM head and the rest "
+        "in the model's dtype")
     threads: int = Field(0, description="torch threads; 0 keeps torch's default")
     cuda_graphs: bool = Field(True, description="on CUDA: capture the decode step as CUDA graphs at start, one per "
                               "batch size up to max_num_seqs (prefill runs eagerly)")

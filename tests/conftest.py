@@ -18,6 +18,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite compares against transformers on the CPU, also on a machine with a GPU (whose
 # `device=auto` would pick it); `make gpu-check` runs the CUDA checks (bench/gpu_check.py).
 os.environ.setdefault("CHATCORE_DEVICE", "cpu")
+# ... and against transformers on the converted float32 weights: the default model's GGUF blocks
+# (weights=auto, its default) are other weights. tests/test_gguf_weights.py asks for them by name.
+os.environ.setdefault("CHATCORE_WEIGHTS", "full")
 
 
 @pytest.fixture(scope="session")

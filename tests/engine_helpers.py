@@ -62,6 +62,20 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def top1_agreement(reference: Any, prompts: list[list[int]], outputs: list[list[int]]) -> tuple[float, list[int]]:
+    """The share of `outputs`' tokens that `reference` ranks first given the text before each (teacher
+    forced), and the index of the prompt of each token where it does not."""
+    agree, total, where = 0, 0, []
+    with torch.inference_mode():
+        for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
+            logits = reference(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1:]
+            same = (logits.argmax(-1) == torch.tensor(out)).tolist()
+            agree += sum(same)
+            total += len(out)
+            where += [i] * (len(out) - sum(same))
+    return agree / total, where
+
+
 def hf_beam(model: Any, prompt: list[int], max_new_tokens: int, width: int, eos: int) -> list[int]:
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,

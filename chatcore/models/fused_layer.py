@@ -22,7 +22,9 @@ Each C step rounds where torch rounds, so a layer computes what its modules comp
 last bit of RMSNorm's sum and of `expf` (and the linears' own summation orders, weight_layout.py);
 the pointwise kernels are checked against the first layer's modules at load, so a module whose
 code changes in another transformers is not replaced. float32 models, whose greedy output must
-equal transformers', and int8 linears are left as they are.
+equal transformers', int8 linears and a GGUF's blocks (`gguf_weights.QuantLinear`) are left as they
+are: GGUF blocks serve in float32 activations under `dtype=auto`, where this layer never runs, and
+with bfloat16 asked for, each projection runs `cpu_quant.linear` through the modules' forward.
 
 Invariant: each weight is held once. A fused linear owns the concatenated weight and the
 originals are dropped; the packing pass then packs the fused linears like any other.

@@ -53,7 +53,7 @@ import torch
 
 from chatcore.models.errors import ModelUnavailable
 
-WEIGHTS = ("full", "int8")
+WEIGHTS = ("auto", "full", "int8")
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 KERNEL_ALIGNMENT = 64  # bytes: where aten._weight_int8pack_mm's int8 operand must start
 # The kernel is a matrix-vector product per row: its time grows with the rows, and past about 32 a
@@ -68,7 +68,7 @@ class UnsupportedWeights(ModelUnavailable):
 
 def check_weights(weights: str, device: torch.device) -> None:
     """Raise `UnsupportedWeights` when `weights` cannot run on `device` (before any weight is read)."""
-    if weights == "full":
+    if weights in ("auto", "full"):  # auto falls back to full where a GGUF's blocks cannot serve
         return
     if weights not in WEIGHTS:
         raise UnsupportedWeights(f"weights={weights}: choose one of {', '.join(WEIGHTS)}")

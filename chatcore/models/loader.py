@@ -1,7 +1,8 @@
 """Loading a Hugging Face causal LM with our paged attention.
 
-`settings.model` is "default" (the converted SmolLM2 folder), a path to a local folder that
-transformers can load as a causal LM, or a hub id (`org/name`) resolved through the local
+`settings.model` is "default" (the converted SmolLM2 folder, its GGUF in it), a path to a local
+folder that transformers can load as a causal LM, a local .gguf file (transformers builds the model
+from it; `gguf_weights.py` serves its blocks with `weights=auto`), or a hub id (`org/name`) resolved through the local
 Hugging Face cache (`hub.py`). After loading, one probe forward checks that the paged path
 reproduces the model's attention (`support.py`): a model it would not is refused with one line.
 The attention dimensions and the context come from that probe, not from config names.
@@ -22,13 +23,16 @@ from typing import Any
 import torch
 
 from chatcore import openmp
+from chatcore.kernels import cpu_quant
 from chatcore.config import DEFAULT_MODEL, Settings
 from chatcore.models import in_use, paged_attention, support
 from chatcore.models.fused_layer import fuse_layers
 from chatcore.models.device import resolve_device, resolve_dtype
 from chatcore.models.errors import ModelNotFound, UnsupportedModel
 from chatcore.models.hub import is_hub_id, resolve_hub_id
-from chatcore.models.int8_weights import cache_file, check_weights, quantize_int8
+from chatcore.models.fetch import GGUF_FILE
+from chatcore.models.gguf_weights import check_quantization, gguf_fingerprint, install_blocks, open_gguf
+from chatcore.models.int8_weights import UnsupportedWeights, cache_file, check_weights, quantize_int8
 from chatcore.models.weight_layout import (
     pack_bfloat16_linears,
     store_linears_transposed,
@@ -64,6 +68,10 @@ def resolve_model_path(settings: Settings) -> Path:
 
         return fetch_default_model(settings.cache_dir)[0]
     path = Path(settings.model).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelNotFound(f"model {path}: no such GGUF file")
+        return path
     if not path.exists() and is_hub_id(settings.model):
         return resolve_hub_id(settings.model)
     if not (path / "config.json").is_file():
@@ -72,7 +80,10 @@ def resolve_model_path(settings: Settings) -> Path:
 
 
 def model_fingerprint(path: Path) -> str:
-    """A digest of the config and the head of every weight file (their headers name every tensor)."""
+    """A digest of the config and the head of every weight file (their headers name every tensor); of
+    a GGUF file, its own (`gguf_weights.gguf_fingerprint`)."""
+    if path.is_file():
+        return gguf_fingerprint(path)
     digest = hashlib.sha256()
     config = json.loads((path / "config.json").read_text())
     config.pop("_name_or_path", None)
@@ -87,8 +98,9 @@ def model_fingerprint(path: Path) -> str:
 
 
 def weights_fingerprint(fingerprint: str, weights: str) -> str:
-    """The fingerprint of the weights as served: int8 weights compute other KV than the full ones, so
-    their blocks (in the pool's hashes and on disk) must never be taken for each other's."""
+    """The fingerprint of the weights as served (`full`, `int8`, or `gguf` for a GGUF's own blocks):
+    int8 weights and GGUF blocks compute other KV than the full ones, so their blocks (in the pool's
+    hashes and on disk) must never be taken for each other's."""
     if weights == "full":
         return fingerprint
     return hashlib.sha256(f"{fingerprint}/weights={weights}".encode()).hexdigest()[:32]
@@ -109,22 +121,27 @@ def _stop_ids(model: Any, tokenizer: Any) -> frozenset[int]:
 
 def load_model(settings: Settings) -> LoadedModel:
     """The model on `settings.device`; raises `DeviceUnavailable`, or `UnsupportedWeights` for
-    `weights=int8` where it cannot run, before reading any weights. With `weights=int8` the decoder
-    layers' linears are quantized first (`int8_weights.py`); the layout passes then leave them be.
-    After the probe, a Llama-family bfloat16 layer on the CPU is fused (`fused_layer.py`), then
-    bfloat16 linears are packed (`weight_layout.py`)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    `weights=int8` where it cannot run, before reading any weights. With a GGUF's blocks to serve
+    (`weights=auto` on the CPU, `gguf_weights.py`) the file is checked first (`UnsupportedGGUF`) and its
+    blocks replace the linears transformers loaded; `dtype=auto` is float32 then. With `weights=int8`
+    the decoder layers' linears are quantized first (`int8_weights.py`); the layout passes then leave
+    them be. After the probe, a Llama-family bfloat16 layer on the CPU is fused (`fused_layer.py`),
+    then bfloat16 linears are packed (`weight_layout.py`)."""
     device = resolve_device(settings.device)
     check_weights(settings.weights, device)
     path = resolve_model_path(settings)
     in_use.hold(path, settings.cache_dir)  # `chatcore model rm` refuses it while this process lives
-    dtype = resolve_dtype(settings.dtype, device)
-    name = paged_attention.register()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=name)
+    if path.is_file() and settings.weights == "int8":
+        raise UnsupportedWeights(f"weights=int8 needs a Hugging Face model folder; {path.name} serves with "
+                                 "weights=auto (its own blocks) or full")
+    blocks = _gguf_blocks(settings, path, device)
+    dtype = torch.float32 if blocks is not None and settings.dtype == "auto" else resolve_dtype(settings.dtype, device)
+    model, tokenizer = _from_pretrained(path, dtype)
     model.to(device)
     model.eval()
+    if blocks is not None:
+        count = install_blocks(model, blocks[1], blocks[0])
+        log.info("weights=auto: %d linears serve %s's blocks (cpu_quant: %s)", count, blocks[0].name, cpu_quant.isa())
     if settings.weights == "int8":
         started = time.perf_counter()
         count = quantize_int8(model, path, tokenizer, cache_file(settings.cache_dir, model_fingerprint(path)))
@@ -134,11 +151,12 @@ def load_model(settings: Settings) -> LoadedModel:
     fuse_layers(model)
     pack_bfloat16_linears(model)
     openmp.release_team()  # the engine may compute on another thread (chatcore/openmp.py)
+    served = "gguf" if blocks is not None else "full" if settings.weights == "auto" else settings.weights
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         path=path,
-        fingerprint=weights_fingerprint(model_fingerprint(path), settings.weights),
+        fingerprint=weights_fingerprint(model_fingerprint(path), served),
         dtype=dtype,
         device=device,
         num_layers=model.config.num_hidden_layers,
@@ -148,6 +166,34 @@ def load_model(settings: Settings) -> LoadedModel:
         max_context=profile.max_context,
         stop_token_ids=_stop_ids(model, tokenizer),
     )
+
+
+def _gguf_blocks(settings: Settings, path: Path, device: torch.device) -> tuple[Path, Any] | None:
+    """The GGUF file whose blocks serve the linears, and its checked reader; None for weights as loaded:
+    `weights` other than auto, a device other than the CPU, or a model that is no GGUF (the default
+    model's GGUF is kept in its folder, `fetch.keep_gguf`). A bare .gguf file is checked either way."""
+    bare = path.is_file()
+    serves = settings.weights == "auto" and device.type == "cpu"
+    if not bare and not (serves and settings.model == DEFAULT_MODEL):
+        return None
+    gguf = path if bare else path / GGUF_FILE
+    reader = open_gguf(gguf)
+    if not serves:
+        return None
+    check_quantization(reader, gguf)
+    return gguf, reader
+
+
+def _from_pretrained(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    """transformers' model (its attention the paged one) and tokenizer, from a folder or a GGUF file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name = paged_attention.register()
+    source = {"pretrained_model_name_or_path": path.parent, "gguf_file": path.name} if path.is_file() \
+        else {"pretrained_model_name_or_path": path}
+    tokenizer = AutoTokenizer.from_pretrained(**source)
+    model = AutoModelForCausalLM.from_pretrained(**source, dtype=dtype, attn_implementation=name)
+    return model, tokenizer
 
 
 def _profile(model: Any, name: str) -> support.AttentionProfile:
