@@ -237,9 +237,16 @@ class Context:
 
     @property
     def dtype_name(self) -> str:
+        """The dtype chatcore runs in: the loaded model's (float32 activations over a GGUF's blocks)."""
+        return str(self.loaded.dtype).removeprefix("torch.")
+
+    @property
+    def baseline_dtype(self) -> torch.dtype:
+        """transformers' dtype for the baselines: the run's `dtype` setting as `auto` resolves it for
+        full weights (bfloat16 where the CPU multiplies it natively), transformers' best path here."""
         from chatcore.models.device import resolve_device, resolve_dtype
 
-        return str(resolve_dtype(self.settings.dtype, resolve_device(self.settings.device))).removeprefix("torch.")
+        return resolve_dtype(self.settings.dtype, resolve_device(self.settings.device))
 
     def engine_settings(self, **overrides: Any) -> Settings:
         """The run's settings for an in-process engine. The queue bound (`max_queue_wait_s`, 30 s)
@@ -257,11 +264,12 @@ class Context:
 
     @property
     def hf_model(self):
-        """The same weights and dtype through plain transformers (SDPA attention): the baselines' model."""
+        """The model's full weights through plain transformers (SDPA attention) in `baseline_dtype`: the
+        baselines' model."""
         if self._hf is None:
             from transformers import AutoModelForCausalLM
 
-            self._hf = AutoModelForCausalLM.from_pretrained(self.loaded.path, dtype=self.loaded.dtype,
+            self._hf = AutoModelForCausalLM.from_pretrained(self.loaded.path, dtype=self.baseline_dtype,
                                                             attn_implementation="sdpa").to(self.loaded.device).eval()
         return self._hf
 
@@ -276,7 +284,7 @@ class Context:
         from chatcore.models.device import resolve_device
 
         return {"cpu": cpu_block(self.threads), "device": resolve_device(self.settings.device).type,
-                "weights": self.settings.weights, "dtype": self.dtype_name}
+                "weights": self.settings.weights, "weights_served": self.loaded.weights, "dtype": self.dtype_name}
 
     def machine(self) -> dict[str, Any]:
         import transformers
@@ -295,6 +303,7 @@ class Context:
             "python": platform.python_version(),
             "dtype": self.dtype_name,
             "weights": self.settings.weights,
+            "weights_served": self.loaded.weights,
             "block_size": self.settings.block_size,
             "quick": self.quick,
             "tiny": self.tiny,

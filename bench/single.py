@@ -315,9 +315,9 @@ def _systems(ctx: Context, runs: dict[str, list[dict[str, Any]]], compile_note: 
     systems = {name: _summarize(r) for name, r in runs.items()}
     systems["hf_static_compiled"] |= {"compile": compile_note}
     for name in ("chatcore", "chatcore_warm"):
-        systems[name] |= {"weights": ctx.settings.weights, "dtype": ctx.dtype_name}
+        systems[name] |= {"weights": ctx.loaded.weights, "dtype": ctx.dtype_name}
     for name in ("hf_static", "hf_static_compiled"):  # stock transformers on the dequantized weights
-        systems[name] |= {"weights": "full", "dtype": ctx.dtype_name}
+        systems[name] |= {"weights": "full", "dtype": str(ctx.baseline_dtype).removeprefix("torch.")}
     for name, ran in (("llama_server", llama), ("llama_cpp", peer)):
         if runs[name]:
             systems[name] |= {"gguf": str(ran.gguf), "weights": ran.weights, "dtype": GGML_DTYPE}

@@ -316,7 +316,10 @@ def test_single_suite_tiny(bench_all_quick_tiny: BenchRun) -> None:
         assert suite["targets"][1]["value"] == suite["decode_over_llama_cpp"] and suite["targets"][1]["threshold"] == 1.25
     for name, system in systems.items():  # every system that ran names its weights and dtype
         assert "skipped" in system or {"weights", "dtype"} <= set(system), name
-    assert systems["chatcore"]["weights"] == data["machine"]["weights"] and systems["hf_static"]["weights"] == "full"
+    # chatcore names the weights it served (full here: the suite pins weights=full), in the loaded model's
+    # dtype; transformers runs full weights in the dtype the setting resolves to for them
+    assert systems["chatcore"]["weights"] == data["machine"]["weights_served"] == "full"
+    assert systems["chatcore"]["dtype"] == data["machine"]["dtype"] and systems["hf_static"]["weights"] == "full"
     table = (bench_all_quick_tiny.out / "table.md").read_text()
     assert "| system (single suite: one chat) |" in table and data["machine"]["cpu_flags"] is not None
     assert f"{data['machine']['dtype']}, full weights" in table
@@ -344,7 +347,7 @@ def test_every_suite_names_the_cpu_and_weights_it_ran(bench_all_quick_tiny: Benc
                            "threads": machine["threads"]}
     for name, suite in data["suites"].items():
         assert suite["measured_on"] == {"cpu": data["cpu"], "device": "cpu", "weights": machine["weights"],
-                                        "dtype": machine["dtype"]}, name
+                                        "weights_served": machine["weights_served"], "dtype": machine["dtype"]}, name
     assert "was measured on another CPU" not in (bench_all_quick_tiny.out / "table.md").read_text()
 
 

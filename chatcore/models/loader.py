@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from chatcore import openmp
-from chatcore.kernels import cpu_quant
 from chatcore.config import DEFAULT_MODEL, Settings
+from chatcore.kernels import cpu_quant
 from chatcore.models import in_use, paged_attention, support
 from chatcore.models.fused_layer import fuse_layers
 from chatcore.models.device import resolve_device, resolve_dtype
@@ -56,6 +56,7 @@ class LoadedModel:
     head_dim: int
     max_context: int
     stop_token_ids: frozenset[int]
+    weights: str  # the weights as served: "gguf" (a GGUF's own blocks), "full" or "int8"
 
     @property
     def dtype_name(self) -> str:
@@ -165,6 +166,7 @@ def load_model(settings: Settings) -> LoadedModel:
         head_dim=profile.head_dim,
         max_context=profile.max_context,
         stop_token_ids=_stop_ids(model, tokenizer),
+        weights=served,
     )
 
 
