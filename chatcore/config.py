@@ -47,13 +47,15 @@ class Settings(BaseSettings):
                         description="auto: cuda when torch sees a GPU, else cpu; or cpu, cuda, cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="model dtype; auto: bfloat16 on a GPU that supports it (else float16), on the CPU "
-        "bfloat16 with AVX-512 BF16/AMX, else float32; with a GGUF's blocks (weights=auto) float32 activations")
+        "bfloat16 with AVX-512 BF16/AMX, else float32; with a GGUF's blocks (weights=gguf, or auto where it picks them) float32 activations")
     kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="KV cache storage dtype; auto: the model's dtype (exact)")
-    weights: Literal["auto", "full", "int8"] = Field(
-        "auto", description="auto: on the CPU, a GGUF model (the default model, or model=PATH.gguf) serves its "
-        "own quantized blocks (Q4_0, Q4_1, Q8_0: the decoder's linears and the LM head), elsewhere and for any "
-        "other model as full; full: the linears in the model's dtype (a GGUF dequantized); int8: the decoder "
+    weights: Literal["auto", "full", "gguf", "int8"] = Field(
+        "auto", description="auto: gguf on a CPU without native bfloat16 matmuls (AVX2, AVX-512F), else full "
+        "(on an AVX512-BF16/AMX CPU full bfloat16 decodes as fast and prefills 2-4x faster than float32 over the "
+        "blocks, docs/kernels.md); gguf: on the CPU, a GGUF model (the default model, or model=PATH.gguf) serves "
+        "its own quantized blocks (Q4_0, Q4_1, Q8_0: the decoder's linears and the LM head), any other model "
+        "as full; full: the linears in the model's dtype (a GGUF dequantized); int8: the decoder "
         "layers' linears as int8 weights (torchao, AWQ scales found at load; CPU only), the LM head and the rest "
         "in the model's dtype")
     threads: int = Field(0, description="torch threads; 0 keeps torch's default")

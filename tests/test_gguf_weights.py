@@ -65,9 +65,30 @@ def test_auto_is_the_default_and_a_model_that_is_no_gguf_loads_as_full(tmp_path:
     monkeypatch.delenv("CHATCORE_WEIGHTS", raising=False)  # tests/conftest.py pins full for the other tests
     assert Settings().weights == "auto"
     folder = save_tiny_model(tmp_path / "llama", "llama")
-    auto = load_model(Settings(model=str(folder), device="cpu", weights="auto"))
     full = load_model(Settings(model=str(folder), device="cpu", weights="full"))
-    assert not _quant_linears(auto.model) and auto.fingerprint == full.fingerprint and auto.dtype == full.dtype
+    for weights in ("auto", "gguf"):  # no GGUF to serve: loaded as full, and named full
+        other = load_model(Settings(model=str(folder), device="cpu", weights=weights))
+        assert not _quant_linears(other.model) and other.fingerprint == full.fingerprint and other.dtype == full.dtype
+        assert other.weights == "full"
+
+
+def test_auto_serves_the_blocks_where_the_cpu_lacks_native_bfloat16_and_gguf_everywhere(tmp_path: Path) -> None:
+    """auto serves a GGUF's blocks exactly where `dtype=auto` is float32 (AVX2, AVX-512F); elsewhere
+    (AVX512-BF16, AMX) full bfloat16 weights, measured faster there. gguf serves them on every CPU,
+    and is refused on another device in one line."""
+    from chatcore.models.device import resolve_dtype
+    from chatcore.models.int8_weights import UnsupportedWeights, check_weights
+    from chatcore.models.loader import serves_blocks
+
+    cpu = torch.device("cpu")
+    assert serves_blocks("auto", cpu) == (resolve_dtype("auto", cpu) == torch.float32)
+    assert serves_blocks("gguf", cpu) and not serves_blocks("full", cpu) and not serves_blocks("gguf", torch.device("cuda"))
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", {})
+    auto = load_model(Settings(model=str(path), device="cpu", weights="auto"))
+    assert bool(_quant_linears(auto.model)) == serves_blocks("auto", cpu)
+    assert auto.weights == ("gguf" if serves_blocks("auto", cpu) else "full")
+    with pytest.raises(UnsupportedWeights, match="weights=gguf runs on the CPU only"):
+        check_weights("gguf", torch.device("cuda"))
 
 
 # --- the default model --------------------------------------------------------------------------------
@@ -90,7 +111,7 @@ def test_model_fetch_keeps_the_gguf_as_it_is_in_a_folder_converted_without_it(tm
 @pytest.fixture(scope="module")
 def gguf_fp32(default_model_dir: Path) -> LoadedModel:
     torch.set_num_threads(2)
-    return load_model(Settings(weights="auto"))  # dtype=auto: float32 activations with GGUF blocks
+    return load_model(Settings(weights="gguf"))  # dtype=auto: float32 activations with GGUF blocks
 
 
 @pytest.mark.model
@@ -127,7 +148,7 @@ def test_fidelity_against_transformers_on_the_dequantized_float32_weights(gguf_f
 
 @pytest.mark.model
 async def test_the_server_serves_a_chat_from_the_gguf_blocks(gguf_fp32, tmp_path: Path) -> None:
-    settings = Settings(data_dir=tmp_path, weights="auto", dtype="float32", num_blocks=128, kv_disk_gb=0,
+    settings = Settings(data_dir=tmp_path, weights="gguf", dtype="float32", num_blocks=128, kv_disk_gb=0,
                         debug_audit=True)
     params = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
     async with serve(settings, gguf_fp32) as server:  # on leaving: the engine's block audit must hold
@@ -153,7 +174,7 @@ def test_a_gguf_file_serves_its_blocks_equal_to_transformers_on_the_same_file(ti
 
     from chatcore import cli
 
-    loaded = load_model(Settings(model=str(tiny_gguf), device="cpu", weights="auto"))
+    loaded = load_model(Settings(model=str(tiny_gguf), device="cpu", weights="gguf"))
     linears = _quant_linears(loaded.model)
     assert {m.quant.qtype for m in linears.values()} == {"Q4_0", "Q4_1", "Q8_0"} and "lm_head" in linears
     full = load_model(Settings(model=str(tiny_gguf), device="cpu", weights="full", dtype="float32"))
@@ -164,12 +185,12 @@ def test_a_gguf_file_serves_its_blocks_equal_to_transformers_on_the_same_file(ti
     with torch.inference_mode():  # transformers stops at EOS, which the engine ignored: equal up to there
         references = [hf_greedy(twin.eval(), p, 12) for p in prompts]
     assert all(ref and ref == out[:len(ref)] for ref, out in zip(references, ours, strict=True))
-    assert cli.main(["generate", "--model", str(tiny_gguf), "--device", "cpu", "--weights", "auto",
+    assert cli.main(["generate", "--model", str(tiny_gguf), "--device", "cpu", "--weights", "gguf",
                      "--prompt", QUESTIONS[0], "--max-tokens", "12", "--temperature", "0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["outputs"][0]["token_ids"] == ours[0]
 
 
-def _refusal(path: Path, capsys, weights: str = "auto") -> str:
+def _refusal(path: Path, capsys, weights: str = "gguf") -> str:
     """The one line `chatcore generate` prints for `path`, which must exit 2."""
     from chatcore import cli
 
@@ -190,7 +211,7 @@ def test_an_unsupported_quantization_type_is_refused_where_blocks_would_serve(tm
 
 def test_an_unsupported_architecture_is_refused(tmp_path: Path, capsys) -> None:
     path = write_tiny_gguf(tmp_path / "gpt2.gguf", architecture="gpt2")
-    for weights in ("auto", "full"):
+    for weights in ("gguf", "auto", "full"):
         line = _refusal(path, capsys, weights)
         assert "architecture gpt2 is not supported (supported: llama)" in line, line
 

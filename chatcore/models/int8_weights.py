@@ -53,7 +53,7 @@ import torch
 
 from chatcore.models.errors import ModelUnavailable
 
-WEIGHTS = ("auto", "full", "int8")
+WEIGHTS = ("auto", "full", "gguf", "int8")
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 KERNEL_ALIGNMENT = 64  # bytes: where aten._weight_int8pack_mm's int8 operand must start
 # The kernel is a matrix-vector product per row: its time grows with the rows, and past about 32 a
@@ -72,6 +72,11 @@ def check_weights(weights: str, device: torch.device) -> None:
         return
     if weights not in WEIGHTS:
         raise UnsupportedWeights(f"weights={weights}: choose one of {', '.join(WEIGHTS)}")
+    if weights == "gguf":
+        if device.type != "cpu":
+            raise UnsupportedWeights(f"weights=gguf runs on the CPU only (its kernels are the CPU's, "
+                                     f"kernels/cpu_quant.c); device {device} was asked for: use weights=full there")
+        return
     if device.type != "cpu":
         raise UnsupportedWeights(f"weights=int8 runs on the CPU only (its kernel, aten._weight_int8pack_mm, is the "
                                  f"CPU's here); device {device} was asked for: use weights=full there")

@@ -2,7 +2,7 @@
 
 `settings.model` is "default" (the converted SmolLM2 folder, its GGUF in it), a path to a local
 folder that transformers can load as a causal LM, a local .gguf file (transformers builds the model
-from it; `gguf_weights.py` serves its blocks with `weights=auto`), or a hub id (`org/name`) resolved through the local
+from it; `gguf_weights.py` serves its blocks with `weights=gguf`, or `auto` where `serves_blocks` picks them), or a hub id (`org/name`) resolved through the local
 Hugging Face cache (`hub.py`). After loading, one probe forward checks that the paged path
 reproduces the model's attention (`support.py`): a model it would not is refused with one line.
 The attention dimensions and the context come from that probe, not from config names.
@@ -123,7 +123,7 @@ def _stop_ids(model: Any, tokenizer: Any) -> frozenset[int]:
 def load_model(settings: Settings) -> LoadedModel:
     """The model on `settings.device`; raises `DeviceUnavailable`, or `UnsupportedWeights` for
     `weights=int8` where it cannot run, before reading any weights. With a GGUF's blocks to serve
-    (`weights=auto` on the CPU, `gguf_weights.py`) the file is checked first (`UnsupportedGGUF`) and its
+    (`serves_blocks`, `gguf_weights.py`) the file is checked first (`UnsupportedGGUF`) and its
     blocks replace the linears transformers loaded; `dtype=auto` is float32 then. With `weights=int8`
     the decoder layers' linears are quantized first (`int8_weights.py`); the layout passes then leave
     them be. After the probe, a Llama-family bfloat16 layer on the CPU is fused (`fused_layer.py`),
@@ -134,7 +134,7 @@ def load_model(settings: Settings) -> LoadedModel:
     in_use.hold(path, settings.cache_dir)  # `chatcore model rm` refuses it while this process lives
     if path.is_file() and settings.weights == "int8":
         raise UnsupportedWeights(f"weights=int8 needs a Hugging Face model folder; {path.name} serves with "
-                                 "weights=auto (its own blocks) or full")
+                                 "weights=gguf (its own blocks) or full")
     blocks = _gguf_blocks(settings, path, device)
     dtype = torch.float32 if blocks is not None and settings.dtype == "auto" else resolve_dtype(settings.dtype, device)
     model, tokenizer = _from_pretrained(path, dtype)
@@ -142,7 +142,7 @@ def load_model(settings: Settings) -> LoadedModel:
     model.eval()
     if blocks is not None:
         count = install_blocks(model, blocks[1], blocks[0])
-        log.info("weights=auto: %d linears serve %s's blocks (cpu_quant: %s)", count, blocks[0].name, cpu_quant.isa())
+        log.info("weights=%s: %d linears serve %s's blocks (cpu_quant: %s)", settings.weights, count, blocks[0].name, cpu_quant.isa())
     if settings.weights == "int8":
         started = time.perf_counter()
         count = quantize_int8(model, path, tokenizer, cache_file(settings.cache_dir, model_fingerprint(path)))
@@ -152,7 +152,7 @@ def load_model(settings: Settings) -> LoadedModel:
     fuse_layers(model)
     pack_bfloat16_linears(model)
     openmp.release_team()  # the engine may compute on another thread (chatcore/openmp.py)
-    served = "gguf" if blocks is not None else "full" if settings.weights == "auto" else settings.weights
+    served = "gguf" if blocks is not None else "full" if settings.weights in ("auto", "gguf") else settings.weights
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -170,12 +170,23 @@ def load_model(settings: Settings) -> LoadedModel:
     )
 
 
+def serves_blocks(weights: str, device: torch.device) -> bool:
+    """Whether a GGUF model serves its own blocks: `weights=gguf` on the CPU, and `weights=auto` on a CPU
+    whose `dtype=auto` is float32 (no native bfloat16 matmuls: AVX2, AVX-512F), where the blocks read
+    5.6x fewer bytes a token than full float32 weights. On an AVX512-BF16/AMX CPU full bfloat16 weights
+    decode as fast as float32 over the blocks and prefill 2-4x faster (docs/kernels.md), so auto
+    serves them there."""
+    if device.type != "cpu":
+        return False
+    return weights == "gguf" or (weights == "auto" and resolve_dtype("auto", device) == torch.float32)
+
+
 def _gguf_blocks(settings: Settings, path: Path, device: torch.device) -> tuple[Path, Any] | None:
     """The GGUF file whose blocks serve the linears, and its checked reader; None for weights as loaded:
-    `weights` other than auto, a device other than the CPU, or a model that is no GGUF (the default
+    where `serves_blocks` says no, or a model that is no GGUF (the default
     model's GGUF is kept in its folder, `fetch.keep_gguf`). A bare .gguf file is checked either way."""
     bare = path.is_file()
-    serves = settings.weights == "auto" and device.type == "cpu"
+    serves = serves_blocks(settings.weights, device)
     if not bare and not (serves and settings.model == DEFAULT_MODEL):
         return None
     gguf = path if bare else path / GGUF_FILE
