@@ -73,7 +73,7 @@ def break_matcher(core: EngineCore, req: Request) -> None:
 
 
 def break_detokenizer(core: EngineCore, req: Request) -> None:
-    core._detok[req.seqs[0]] = Exploding("the detokenizer")
+    core.output_processor._detok[req.seqs[0]] = Exploding("the detokenizer")
 
 
 def break_stop_check(core: EngineCore, req: Request) -> None:

@@ -78,7 +78,6 @@ class EngineCore:
                                         self.runner.transfers, loaded.device)
         self.output_processor = OutputProcessor(self.tokenizer, loaded.stop_token_ids, self.kv_cache, self.grammars,
                                                 beams)
-        self._detok = self.output_processor._detok  # each sequence's detokenizer (tests break one through it)
         self.on_step: list[Callable[[StepPlan], None]] = []
         self.steps = 0
         # Why the last step that ran the model failed; None once one succeeds (readiness reads it).
