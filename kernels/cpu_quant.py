@@ -1,6 +1,6 @@
 """Linear layers served from GGUF's own quantized blocks (Q4_0, Q4_1, Q8_0) on the CPU (`kernels/cpu_quant.c`).
 
-The interface is the one agreed with the GGUF loader (`/work/notes/qapi.md` when it was written):
+The interface the GGUF loader (chatcore/models/gguf_weights.py) uses:
 `lay_out` takes a GGUF tensor's bytes as they lie in the file and returns a `QuantWeight` in the
 kernel's layout (groups of `ROWS` output rows, each 32-column block's scales, mins and quants side
 by side: one sequential stream per thread, exactly the file's bytes); `linear` multiplies by it

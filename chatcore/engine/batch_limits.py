@@ -4,7 +4,7 @@
   prefill chunk only delays the decode rows batched beside it (docs/benchmarks.md).
 - CUDA: 8192 tokens and 256 sequences. A step there is bound by launches and Python, not by its
   size: on an H200, 64 chats ran at 1,090 tok/s with the CPU's bounds and 2,268 with 8192 tokens,
-  and 256 chats at 5,793 with 8192 and 256 (2026-12-04, ../shared/anchors.md's GPU run).
+  and 256 chats at 5,793 with 8192 and 256 (a standalone probe on a lent H200, 2026-12-04).
 """
 
 from __future__ import annotations
