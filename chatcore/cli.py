@@ -46,7 +46,7 @@ def _chat(args: argparse.Namespace, settings: Settings) -> int:
     params = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature)) if v is not None}
     return chat_command(ChatOptions(url=args.url or default_url(settings.host, settings.port), api_key=args.api_key,
                                     session=args.session, resume_token=args.resume_token, system=args.system,
-                                    params=params, data_dir=settings.data_dir))
+                                    params=params, data_dir=settings.data_dir, default_port=settings.port))
 
 
 def _model_list(args: argparse.Namespace, settings: Settings) -> int:
@@ -194,8 +194,8 @@ def _add_model(sub: Subparsers) -> None:
 def _add_chat(sub: Subparsers) -> None:
     chat = _command(sub, "chat", "chat with a running server over its WebSocket API: each line of standard input is "
                     "a turn; /exit, /new, /system TEXT, /sessions, /history, /help", ("host", "port"))
-    chat.add_argument("--url", default=None, help="the server's WebSocket URL (default: ws://HOST:PORT/v1/ws from "
-                      "the host and port settings)")
+    chat.add_argument("--url", default=None, help="the server's address: http://HOST:PORT (as the server prints it), "
+                      "https://HOST, HOST:PORT or ws://HOST:PORT/v1/ws (default: the host and port settings)")
     chat.add_argument("--api-key", dest="api_key", default=None,
                       help="in keyed mode, the tenant's API key (default: CHATCORE_API_KEY)")
     chat.add_argument("--session", default=None, metavar="ID",

@@ -145,6 +145,20 @@ def test_new_system_and_sessions(server: LiveServer, client_dir: Path) -> None:
     assert any(line.startswith(f"  {ids[0]}") for line in listed)
 
 
+@pytest.mark.parametrize("form", ["origin", "host:port"])
+def test_the_address_the_server_prints_is_the_url(server: LiveServer, client_dir: Path, form: str) -> None:
+    """`--url http://HOST:PORT` (what the UI, the README and `serve` show) or `HOST:PORT` reaches the
+    same WebSocket API as ws://HOST:PORT/v1/ws, and the turn is stored on that server."""
+    url = server.base_url if form == "origin" else server.base_url.removeprefix("http://")
+    done = chat(url, client_dir, lines="Hello!\n/exit\n")
+    assert done.returncode == 0, done.stderr
+    history = stored(server, session_of(done.stdout))["history"]
+    assert [m["role"] for m in history] == ["user", "assistant"] and history[1]["content"] in done.stdout
+    refused = chat("ftp://127.0.0.1:1", client_dir, lines="Hello!\n")
+    assert refused.returncode == 2 and refused.stdout == "" and refused.stderr.count("\n") == 1
+    assert "http://HOST:PORT" in refused.stderr and "Traceback" not in refused.stderr
+
+
 def test_bad_input_is_one_line_and_never_a_traceback(server: LiveServer, client_dir: Path) -> None:
     done = chat(server.ws_url, client_dir, lines="/bogus\n/history extra\n/system\n/exit\n")
     assert done.returncode == 0

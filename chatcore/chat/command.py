@@ -6,10 +6,11 @@ import asyncio
 import os
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from chatcore.chat.address import websocket_url
 from chatcore.chat.connection import Connection
 from chatcore.chat.errors import ChatError
 from chatcore.chat.lines import LineReader
@@ -31,6 +32,7 @@ class ChatOptions:
     system: str | None
     params: dict[str, Any]
     data_dir: Path
+    default_port: int  # where `url` names no port and no scheme (chat/address.py)
 
 
 def default_url(host: str, port: int) -> str:
@@ -45,6 +47,7 @@ def default_url(host: str, port: int) -> str:
 def chat_command(options: ChatOptions) -> int:
     terminal = Terminal()
     try:
+        options = replace(options, url=websocket_url(options.url, options.default_port))
         return asyncio.run(_chat(options, terminal))
     except ChatError as exc:
         print(f"chatcore chat: {exc}", file=sys.stderr)

@@ -123,7 +123,7 @@ class Connection:
         try:
             return await connect(self.url, additional_headers=headers, max_size=None, open_timeout=OPEN_TIMEOUT_S)
         except InvalidURI:
-            raise ChatError(f"{self.url} is not a WebSocket URL (ws://HOST:PORT/v1/ws)", exit_code=2) from None
+            raise ChatError(f"{self.url} is not a WebSocket URL", exit_code=2) from None
         except InvalidStatus as exc:
             status = exc.response.status_code
             hint = " (a key: --api-key or CHATCORE_API_KEY)" if status in (401, 403) else ""
