@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from chatcore.engine.core import EngineCore
 from chatcore.engine.outputs import RequestOutput
-from chatcore.engine.request import Request
+from chatcore.engine.request import Request, SamplingParams
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -74,6 +75,83 @@ def top1_agreement(reference: Any, prompts: list[list[int]], outputs: list[list[
             total += len(out)
             where += [i] * (len(out) - sum(same))
     return agree / total, where
+
+
+def reference_continuations(model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """`model`'s greedy continuation of each prompt, `new_tokens` long (EOS suppressed until then): the
+    text every path is then fed, teacher forced."""
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+def reference_logits(model: Any, prompts: list[list[int]], continuations: list[list[int]]) -> list[torch.Tensor]:
+    """`model`'s float32 logits for each continuation's tokens, given the text before each: one
+    forward of prompt + continuation, the rows that predict the continuation."""
+    with torch.inference_mode():
+        return [model(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1:].float()
+                for prompt, out in zip(prompts, continuations, strict=True)]
+
+
+def forced_logits(core: EngineCore, prompts: list[list[int]], continuations: list[list[int]]) -> list[torch.Tensor]:
+    """The engine's logits for each continuation's tokens, teacher forced: every request decodes its
+    continuation whatever its logits say, so each path is fed the same tokens at every position and
+    only the logits differ. The engine's own forward (prompt chunks, then decode rows batched
+    together) computes them; each step's sampling rows are recorded, then steered to the forced token."""
+    requests = [core.make_request(prompt, SamplingParams(max_tokens=len(out), ignore_eos=True))
+                for prompt, out in zip(prompts, continuations, strict=True)]
+    forced = {req.request_id: (len(prompt), out) for req, prompt, out in zip(requests, prompts, continuations)}
+    rows: dict[str, list[torch.Tensor]] = {req.request_id: [] for req in requests}
+    execute = core.runner.execute
+
+    def forcing(plan: Any) -> torch.Tensor:
+        logits = execute(plan).clone()  # the forward's own is an inference tensor: steer a copy
+        for row, entry in enumerate(e for e in plan.decode + plan.prefill if e.samples):
+            prompt_length, out = forced[entry.req.request_id]
+            rows[entry.req.request_id].append(logits[row].clone())
+            logits[row] = float("-inf")
+            logits[row, out[entry.start + entry.num_tokens - prompt_length]] = 0.0
+        return logits
+
+    core.runner.execute = forcing  # type: ignore[method-assign]
+    try:
+        add_all(core, requests)
+        finals = run_to_end(core)
+    finally:
+        del core.runner.execute
+    for req, out in zip(requests, continuations, strict=True):
+        assert finals[req.request_id].outputs[0].token_ids == out  # the forcing held: same text everywhere
+    return [torch.stack(rows[req.request_id]) for req in requests]
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    """How far one path's teacher-forced logits are from the reference's, over every position:
+    `top1` the share of positions where both rank the same token first; `error` the largest
+    |difference| of any logit, `median_error` the median over positions of each position's largest,
+    `scale` the largest |reference logit| (errors read against it)."""
+    top1: float
+    error: float
+    median_error: float
+    scale: float
+    positions: int
+
+    def __str__(self) -> str:
+        return (f"top-1 {self.top1:.4f} over {self.positions} positions; logits' error max {self.error:.4f}, "
+                f"median {self.median_error:.4f}, at scale {self.scale:.2f}")
+
+
+def fidelity(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> Fidelity:
+    """`ours` against `reference` (both from `forced_logits`/`reference_logits` on the same text)."""
+    mine, theirs = torch.cat(ours), torch.cat(reference)
+    errors = (mine - theirs).abs().max(dim=-1).values
+    agree = (mine.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    return Fidelity(agree, errors.max().item(), errors.median().item(), theirs.abs().max().item(), len(theirs))
 
 
 def hf_beam(model: Any, prompt: list[int], max_new_tokens: int, width: int, eos: int) -> list[int]:

@@ -1,8 +1,18 @@
 """The fused decoder layer (chatcore/models/fused_layer.py) and its pointwise kernels
 (kernels/cpu_pointwise.py): each step computes what transformers' modules compute in bfloat16;
-the engine decodes the same tokens through it as through the modules, at few rows and at many;
-the original projections still compute what they did; a model whose modules it does not match,
-float32 and int8 keep their modules."""
+through the engine, teacher forced (the same tokens fed at every position, tests/engine_helpers.py),
+its logits are as close to the float32 model's as the modules' are, at few rows and at many; the
+original projections still compute what they did; a model whose modules it does not match, float32
+and int8 keep their modules.
+
+No test here asks the two bfloat16 paths for equal free-running text: they sum in other orders, so
+where the top two logits nearly tie either may win and the texts then part for good (issue 52).
+The bounds, from bfloat16's unit roundoff u = 2^-9 (8 significant bits):
+- each path's largest logit error against float32 is at most 32 u of the largest logit (measured
+  on the default model: 10-14 u, both paths, an AMD EPYC with AVX512-BF16);
+- the fused path's error is at most 1.5 times the modules' (rounding in another order, not more);
+- each ranks the float32 model's top token first at >= 95% of the positions (measured 97.5-97.7%),
+  and the two agreements differ by at most 2 points (one flip in 50: near-ties at bf16's resolution)."""
 
 from __future__ import annotations
 
@@ -16,12 +26,21 @@ from transformers.models.llama import modeling_llama
 from chatcore.cache import audit
 from chatcore.config import Settings
 from chatcore.engine.core import EngineCore
-from chatcore.engine.request import SamplingParams
 from chatcore.kernels import cpu_linear, cpu_pointwise
 from chatcore.kv.tensors import KVTensors
 from chatcore.models import fused_layer, loader
 from chatcore.models.fused_layer import FusedLayer, Projection
 from chatcore.models.paged_attention import StepMeta
+from tests.engine_helpers import (
+    LONG_SYSTEM,
+    QUESTIONS,
+    Fidelity,
+    chat_ids,
+    fidelity,
+    forced_logits,
+    reference_continuations,
+    reference_logits,
+)
 from tests.tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="no AVX512-BF16 here: no few-row C linear")
@@ -84,21 +103,41 @@ def test_a_residual_of_another_shape_is_refused() -> None:
         cpu_linear.linear(_random(3, 96), cpu_linear.lay_out(weight), 64, None, residual=_random(2, 64))
 
 
-def _decode(loaded: loader.LoadedModel, chats: int, tokens: int, repeat: int = 1, **settings: object) -> list[list[int]]:
+UNIT = 2.0**-9  # bfloat16's unit roundoff
+
+
+def _forced(loaded: loader.LoadedModel, prompts: list[list[int]], continuations: list[list[int]],
+            reference: list[torch.Tensor], **settings: object) -> Fidelity:
+    """The engine's teacher-forced logits on `loaded` against the float32 `reference`, block audit clean."""
     core = EngineCore(loaded, Settings(**{"dtype": "bfloat16", "num_blocks": 256, "debug_audit": True, **settings}))
-    prompts = [loaded.tokenizer.encode(f"The quick brown fox {i} jumps over the lazy dog. " * repeat)
-               for i in range(chats)]
-    requests = [core.make_request(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True)) for prompt in prompts]
-    for request in requests:
-        core.add(request)
-    out: dict[str, list[int]] = {request.request_id: [] for request in requests}
-    while core.has_work:
-        for output in core.step():
-            for delta in output.deltas:
-                out[output.request_id].extend(delta.token_ids)
+    found = fidelity(forced_logits(core, prompts, continuations), reference)
     report = audit(core.pool)
     assert report.ok and report.used == 0, report.format()
-    return [out[request.request_id] for request in requests]
+    return found
+
+
+def _as_faithful(fast: Fidelity, plain: Fidelity, top1: float | None = 0.95) -> None:
+    """The module docstring's bounds: both within 32 u of float32, the fused path's error at most 1.5x
+    the modules', both top-1 agreements >= `top1` and within 2 points (or one position) of each other.
+    Tiny random models pass `top1=None`: their logits are flat (the largest ~6), so near-ties are
+    everywhere and agreement with float32 says little; they keep the other bounds."""
+    print(f"fused: {fast}\nmodules: {plain}")
+    for path in (fast, plain):
+        assert path.error <= 32 * UNIT * path.scale and (top1 is None or path.top1 >= top1), path
+    assert fast.error <= 1.5 * plain.error, (fast, plain)
+    assert abs(fast.top1 - plain.top1) <= max(0.02, 1 / fast.positions), (fast, plain)
+
+
+def _tiny_reference(folder: Path, chats: int, tokens: int, repeat: int = 1
+                    ) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
+    """Prompts, the float32 model's own greedy continuations, and its logits on them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompts = [tokenizer.encode(f"The quick brown fox {i} jumps over the lazy dog. " * repeat) for i in range(chats)]
+    continuations = reference_continuations(model, prompts, tokens)
+    return prompts, continuations, reference_logits(model, prompts, continuations)
 
 
 def _load(folder: Path, monkeypatch: pytest.MonkeyPatch, few_rows: bool) -> loader.LoadedModel:
@@ -110,7 +149,7 @@ def _load(folder: Path, monkeypatch: pytest.MonkeyPatch, few_rows: bool) -> load
 
 @pytest.mark.parametrize(("model_type", "overrides"), [
     ("llama", {}), ("mistral", {}), ("qwen2", {}), ("llama", {"attention_bias": True, "mlp_bias": True})])
-def test_tiny_models_decode_the_same_tokens_as_through_their_modules(
+def test_tiny_models_decode_as_faithfully_as_through_their_modules(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_type: str, overrides: dict[str, object]) -> None:
     folder = save_tiny_model(tmp_path / model_type, model_type, **overrides)
     fast, plain = _load(folder, monkeypatch, True), _load(folder, monkeypatch, False)
@@ -125,18 +164,21 @@ def test_tiny_models_decode_the_same_tokens_as_through_their_modules(
 
     monkeypatch.setattr(FusedLayer, "_fused", counted)
     for chats in (1, 3, 6):  # six chats decode in steps of six rows: past the few-row linear
+        reference = _tiny_reference(folder, chats, 12)
         calls["fused"] = 0
-        assert _decode(fast, chats, 12) == _decode(plain, chats, 12), chats
-        assert calls["fused"] >= 12 * len(fast.model.model.layers)
+        ours = _forced(fast, *reference)
+        assert calls["fused"] >= 11 * len(fast.model.model.layers)
+        _as_faithful(ours, _forced(plain, *reference), top1=None)
 
 
 @pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
-def test_chunked_prompts_and_other_kv_dtypes_decode_the_same_tokens(
+def test_chunked_prompts_and_other_kv_dtypes_decode_as_faithfully(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kv_dtype: str) -> None:
     folder = save_tiny_model(tmp_path / "llama", "llama")
     fast, plain = _load(folder, monkeypatch, True), _load(folder, monkeypatch, False)
     options = {"kv_dtype": kv_dtype, "max_batch_tokens": 64}  # ~200-token prompts: four chunks each, then decode
-    assert _decode(fast, 3, 10, repeat=6, **options) == _decode(plain, 3, 10, repeat=6, **options)
+    reference = _tiny_reference(folder, 3, 10, repeat=6)
+    _as_faithful(_forced(fast, *reference, **options), _forced(plain, *reference, **options), top1=None)
 
 
 @pytest.fixture(scope="module")
@@ -145,10 +187,16 @@ def default_models(default_model_dir: Path) -> tuple[loader.LoadedModel, loader.
         return _load(default_model_dir, monkeypatch, True), _load(default_model_dir, monkeypatch, False)
 
 
-def test_the_default_model_decodes_one_chat_as_through_its_modules(default_models) -> None:
+def test_the_default_model_decodes_as_faithfully_as_through_its_modules(default_models, hf_model) -> None:
+    """The fidelity prompts (each question alone and after a long system prompt), 24 tokens each,
+    decoded in one batch of 16 rows."""
     fast, plain = default_models
     assert sum(isinstance(layer, FusedLayer) for layer in fast.model.model.layers) == 30
-    assert _decode(fast, 1, 24) == _decode(plain, 1, 24)
+    tok = fast.tokenizer
+    prompts = [chat_ids(tok, q) for q in QUESTIONS] + [chat_ids(tok, q, LONG_SYSTEM) for q in QUESTIONS]
+    continuations = reference_continuations(hf_model, prompts, 24)
+    reference = reference_logits(hf_model, prompts, continuations)
+    _as_faithful(_forced(fast, prompts, continuations, reference), _forced(plain, prompts, continuations, reference))
 
 
 @pytest.mark.parametrize("rows", [2, 4, 64])
