@@ -27,6 +27,7 @@ from chatcore.config import (
 from chatcore.config_flags import add_settings_flags
 from chatcore.config_groups import GROUPS, grouped, settings_of
 from chatcore.environment import check_at_start
+from chatcore.kernels import cpu_kind
 from chatcore.models.errors import ModelUnavailable
 
 Handler = Callable[[argparse.Namespace, Settings], int]
@@ -266,6 +267,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not check_at_start():  # a missing or conflicting package: one line each, not a traceback
+        return 2
+    try:
+        cpu_kind.kind()  # CHATCORE_CPU_ISA: a kind this CPU runs, or one line
+    except ValueError as exc:
+        print(f"chatcore: {exc}", file=sys.stderr)
         return 2
     try:
         args.config_loaded = load_config({key: getattr(args, key, None) for key in Settings.model_fields},

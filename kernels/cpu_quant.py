@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from chatcore.kernels import native
+from chatcore.kernels import cpu_kind, native
 
 PROFILER_NAME = "kernels::quant_linear_c"  # how a call shows in torch.profiler
 QTYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
@@ -105,9 +105,12 @@ def _kernel() -> _Kernel | None:
 
 
 def isa() -> str:
-    """The path `linear` takes here: "avx512bf16", "avx512f", "avx2" or "reference"."""
+    """The path `linear` takes here: "avx512bf16", "avx512f", "avx2" or "reference": the best this
+    CPU runs, at or below the CPU kind chatcore runs as (kernels/cpu_kind.py)."""
     kernel = _kernel()
-    return kernel.best if kernel is not None and kernel.best is not None else "reference"
+    allowed = [name for name in ISAS if cpu_kind.at_least(name)]
+    best = kernel.best if kernel is not None else None
+    return ISAS[max(ISAS.index(best), ISAS.index(allowed[0]))] if best is not None and allowed else "reference"
 
 
 def supported_isas() -> tuple[str, ...]:

@@ -8,8 +8,8 @@ steps (`kernels/cpu_pointwise.c`, wrapped by kernels/cpu_pointwise.py) and the K
 The decode attention takes float32, bfloat16 and float16 queries and caches (float16 where the
 compiler has `_Float16`), in any mix, and computes in float32.
 
-The library is compiled once per source, compiler and CPU (`-march=native`, so the key holds the
-CPU's flags) into `$XDG_CACHE_HOME/chatcore/kernels` (default `~/.cache`), written to a
+The library is compiled once per source, compiler, CPU and CPU kind (`-march=native`, or a lower
+kind's target under `CHATCORE_CPU_ISA`: kernels/cpu_kind.py; the key holds the CPU's flags) into `$XDG_CACHE_HOME/chatcore/kernels` (default `~/.cache`), written to a
 temporary name and renamed, so concurrent processes never load a half-written file.
 
 Loading a library runs its code (constructors included), and its name is predictable: a file is
@@ -41,13 +41,15 @@ from pathlib import Path
 
 import torch
 
+from chatcore.kernels import cpu_kind
+
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_linear.c", "cpu_pointwise.c",
                                                                "cpu_quant.c", "cpu_store.c"))
 HEADERS = (Path(__file__).with_name("bfloat16.h"),)  # included by the sources: part of the library's key
 PROFILER_NAME = "kernels::paged_decode_c"  # how a call shows in torch.profiler (bench/step_ops.py)
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
+FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")  # and the CPU kind's target (`cpu_kind.march`)
 LIBS = ("-lmvec", "-lm")
 _ARGTYPES = (
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
@@ -77,7 +79,7 @@ def library_name(compiler: str) -> str:
     """The cached library's file name: a hash of the source, flags, compiler version and CPU."""
     version = subprocess.run([compiler, "--version"], check=False, capture_output=True, text=True, timeout=60).stdout
     sources = [source.read_text() for source in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*sources, *FLAGS, *LIBS, version, _cpu_flags()]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([*sources, *FLAGS, *cpu_kind.march(), *LIBS, version, _cpu_flags()]).encode()).hexdigest()
     return f"cpu_kernels-{key[:16]}.so"
 
 
@@ -107,7 +109,7 @@ def _compile(compiler: str, target: Path) -> None:
     handle, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(handle)
     try:
-        result = subprocess.run([compiler, *FLAGS, "-o", partial, *map(str, SOURCES), *LIBS],
+        result = subprocess.run([compiler, *FLAGS, *cpu_kind.march(), "-o", partial, *map(str, SOURCES), *LIBS],
                                 check=False, capture_output=True, text=True, timeout=300)
         if result.returncode:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")

@@ -12,7 +12,7 @@ import pytest
 # threads need (chatcore/openmp.py). Measured 2026-12-02: test files 2.9-3.9x slower spinning.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-pytest_plugins = ["tests.openai_fixtures", "tests.bench_fixtures"]
+pytest_plugins = ["tests.openai_fixtures", "tests.bench_fixtures", "tests.cpu_kind_report"]
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite compares against transformers on the CPU, also on a machine with a GPU (whose

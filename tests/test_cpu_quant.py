@@ -18,7 +18,7 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 
-from chatcore.kernels import cpu_quant, native
+from chatcore.kernels import cpu_kind, cpu_quant, native
 
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
 PATHS = (*cpu_quant.ISAS, "reference")
@@ -107,20 +107,13 @@ def test_linear_keeps_leading_dims_and_adds_the_bias() -> None:
     torch.testing.assert_close(y, x @ cpu_quant.dequantize(laid_out).T + bias, rtol=1e-5, atol=1e-5)
 
 
-def test_isa_is_the_best_that_proc_cpuinfo_names() -> None:
+def test_isa_is_the_best_of_the_cpu_kind_chatcore_runs_as() -> None:
+    """The CPU's kind (kernels/cpu_kind.py, under any CHATCORE_CPU_ISA cap) names the path."""
     if native.library() is None:
         assert cpu_quant.isa() == "reference"
         return
-    flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("flags")).split(":", 1)[1].split())
-    if {"avx512_bf16", "avx512f", "avx512bw"} <= flags:
-        expected = "avx512bf16"
-    elif {"avx512f", "avx512bw"} <= flags:
-        expected = "avx512f"
-    elif {"avx2", "fma", "f16c"} <= flags:
-        expected = "avx2"
-    else:
-        expected = "reference"
+    expected = {"amx": "avx512bf16", "avx512bf16": "avx512bf16", "avx512f": "avx512f", "avx2": "avx2",
+                "generic": "reference"}[cpu_kind.kind()]
     assert cpu_quant.isa() == expected
     assert cpu_quant.supported_isas() == (() if expected == "reference" else
                                           cpu_quant.ISAS[cpu_quant.ISAS.index(expected):])

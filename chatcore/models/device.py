@@ -7,10 +7,10 @@ line turns into one line and exit code 2 before any model is loaded.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 
+from chatcore.kernels import cpu_kind
 from chatcore.kv.tensors import DTYPES
 
 
@@ -45,12 +45,4 @@ def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
     if device.type == "cuda":
         with torch.cuda.device(device):
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if _cpu_has_bf16() else torch.float32
-
-
-def _cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return torch.bfloat16 if cpu_kind.at_least("avx512bf16") else torch.float32
