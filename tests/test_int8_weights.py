@@ -1,9 +1,16 @@
 """`weights=int8`: the decoder's linears as int8 (torchao, AWQ scales), on the paged engine.
 
-Fidelity (issue 36, target 4): on the fidelity prompts (tests/test_engine_fidelity.py's questions,
-alone and after its long system prompt), the int8 engine's greedy tokens are the full-precision
-model's top-1 choice (transformers, float32, given the same text before each token) >= 97% of the
-time. Composition: in float32 the engine's int8 output equals transformers' with the same int8
+Fidelity (issue 36, target 4; issue 52), teacher forced (tests/engine_helpers.py): on the fidelity
+prompts (tests/test_engine_fidelity.py's questions, alone and after its long system prompt), each fed
+the float32 model's own 64-token continuation, int8's top-1 agreement with the float32 model is at
+most `INT8_DEFICIT` below full weights' in the same dtype, and its largest logit error is within 16
+int8 steps (2^-7 of a row's largest weight each) of the largest logit.
+`INT8_DEFICIT` comes from a measured spread (2026-12-07, an AMD EPYC with AVX512-BF16, 16 prompts x
+64 positions, every CPU kind it runs through CHATCORE_CPU_ISA): int8 fell 0.0156 below full weights
+in bfloat16 (the avx512bf16 kind), 0.0215 in float32 on the avx512f kind and 0.0254 on the avx2 kind
+(torch's AVX2 kernels); the per-prompt deficit's standard error was 0.0051-0.0059. The bound is the
+largest deficit plus three standard errors. Its logit error measured 2.31-2.45 at a largest logit of
+41.7 (7-7.5 steps). Composition: in float32 the engine's int8 output equals transformers' with the same int8
 linears, token for token (the paged attention is exact there), and the weight layout passes leave
 the int8 linears alone. Refusals: a device other than the CPU, torchao missing, a bad value.
 """
@@ -22,11 +29,23 @@ from chatcore.models import int8_weights
 from chatcore.models.int8_weights import Int8Linear, UnsupportedWeights, check_weights, quantize_int8
 from chatcore.models.loader import load_model
 from chatcore.models.weight_layout import PackedLinear
-from tests.engine_helpers import LONG_SYSTEM, QUESTIONS, chat_ids, hf_greedy, run_to_end, top1_agreement
+from tests.engine_helpers import (
+    LONG_SYSTEM,
+    QUESTIONS,
+    Fidelity,
+    chat_ids,
+    fidelity,
+    forced_logits,
+    hf_greedy,
+    reference_continuations,
+    reference_logits,
+    run_to_end,
+)
 from tests.tiny_models import save_tiny_model
 
-AGREEMENT = 0.97
-NEW_TOKENS = 32
+INT8_DEFICIT = 0.0254 + 3 * 0.006
+INT8_STEP = 2.0**-7
+NEW_TOKENS = 64
 
 
 def _decoder_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -158,37 +177,44 @@ def test_the_forward_is_the_int8_product(tiny: Path, tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def fidelity_prompts(loaded_fp32) -> list[list[int]]:
+def fidelity_text(loaded_fp32, hf_model) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
+    """The fidelity prompts, the float32 model's continuations of them, and its logits on them."""
     tok = loaded_fp32.tokenizer
-    return [chat_ids(tok, q) for q in QUESTIONS] + [chat_ids(tok, q, LONG_SYSTEM) for q in QUESTIONS]
+    prompts = [chat_ids(tok, q) for q in QUESTIONS] + [chat_ids(tok, q, LONG_SYSTEM) for q in QUESTIONS]
+    continuations = reference_continuations(hf_model, prompts, NEW_TOKENS)
+    return prompts, continuations, reference_logits(hf_model, prompts, continuations)
+
+
+def _forced(loaded, text: tuple[list[list[int]], list[list[int]], list[torch.Tensor]]) -> Fidelity:
+    prompts, continuations, reference = text
+    core = EngineCore(loaded, Settings(dtype=loaded.dtype_name, num_blocks=512, debug_audit=True))
+    return fidelity(forced_logits(core, prompts, continuations), reference)
 
 
 @pytest.mark.model
-def test_int8_agrees_with_full_precision_on_the_fidelity_prompts(hf_model, fidelity_prompts) -> None:
+def test_int8_agrees_with_full_precision_on_the_fidelity_prompts(fidelity_text) -> None:
+    """In float32, where full weights are the reference itself (agreement 1)."""
     loaded = load_model(Settings(dtype="float32", weights="int8"))
     assert all(type(m) is Int8Linear for m in _decoder_linears(loaded.model))
-    outputs = _greedy(loaded, fidelity_prompts, NEW_TOKENS)
-    agreement, where = top1_agreement(hf_model, fidelity_prompts, outputs)
-    print(f"float32 int8 top-1 agreement with the float32 model: {agreement:.4f} over "
-          f"{len(fidelity_prompts) * NEW_TOKENS} tokens; prompts where not: {where}")
-    assert agreement >= AGREEMENT
+    found = _forced(loaded, fidelity_text)
+    print(f"float32 int8 against the float32 model: {found}")
+    assert found.top1 >= 1 - INT8_DEFICIT
+    assert found.error <= 16 * INT8_STEP * found.scale
 
 
 @pytest.mark.model
-def test_int8_in_the_auto_dtype_loses_little_more_than_the_dtype(hf_model, fidelity_prompts) -> None:
-    """In the dtype `auto` picks: where that is bfloat16, full weights already round near-ties
-    differently from float32; int8's agreement with the float32 model stays within 2 points of
-    bfloat16's own."""
+def test_int8_in_the_auto_dtype_loses_little_more_than_the_dtype(fidelity_text) -> None:
+    """In the dtype `auto` picks: where that is bfloat16, full weights already rank near-ties
+    differently from float32; int8's agreement stays within `INT8_DEFICIT` of full weights'."""
     from chatcore.models.device import resolve_dtype
 
     if resolve_dtype("auto", "cpu") == torch.float32:
         pytest.skip("auto is float32 on this CPU: the test above is the auto dtype's")
-    int8 = load_model(Settings(dtype="auto", weights="int8"))
-    full = load_model(Settings(dtype="auto"))
-    ours, _ = top1_agreement(hf_model, fidelity_prompts, _greedy(int8, fidelity_prompts, NEW_TOKENS))
-    base, _ = top1_agreement(hf_model, fidelity_prompts, _greedy(full, fidelity_prompts, NEW_TOKENS))
-    print(f"{int8.dtype_name} top-1 agreement with the float32 model: int8 {ours:.4f}, full weights {base:.4f}")
-    assert ours >= base - 0.02
+    ours = _forced(load_model(Settings(dtype="auto", weights="int8")), fidelity_text)
+    base = _forced(load_model(Settings(dtype="auto")), fidelity_text)
+    print(f"auto dtype against the float32 model: int8 {ours}; full weights {base}")
+    assert ours.top1 >= base.top1 - INT8_DEFICIT
+    assert ours.error <= 16 * INT8_STEP * ours.scale
 
 
 def test_int8_values_off_the_kernels_alignment_are_copied() -> None:
