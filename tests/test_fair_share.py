@@ -137,3 +137,52 @@ def test_admission_takes_the_tenant_holding_fewest_slots_first(make_core, loaded
     assert "beta" in _tenants(plans[0], prefill=True)
     assert beta in core.scheduler.running and all(r in core.scheduler.waiting for r in alphas[1:])
     run_to_end(core)
+
+
+def test_a_request_larger_than_its_share_is_not_starved(make_core, loaded_fp32) -> None:
+    """Alpha's n=8 request needs every slot of 8; beta always has a request running or waiting. Once alpha
+    holds nothing it is the least served: beta's next request waits behind it, and alpha's request runs to
+    its end without being preempted (it is alpha's only one)."""
+    core = make_core(max_num_seqs=8, max_queue_wait_s=3600)
+    tokenizer = loaded_fp32.tokenizer
+    beta = _request(core, tokenizer, "beta", 1, max_tokens=6)
+    core.add(beta)
+    core.step()
+    alpha = _request(core, tokenizer, "alpha", 0, max_tokens=6, n=8, temperature=0.8, seed=1)
+    core.add(alpha)
+    betas = [beta]
+    for _ in range(200):
+        if alpha.finished:
+            break
+        if betas[-1].finished:  # beta keeps sending
+            betas.append(_request(core, tokenizer, "beta", len(betas) % len(QUESTIONS), max_tokens=6))
+            core.add(betas[-1])
+        core.step()
+    assert alpha.finished and alpha.error is None and alpha.preemptions == 0
+    assert len(betas) <= 3  # beta's requests waited behind alpha's once it was the least served
+    run_to_end(core)
+
+
+def test_a_tenants_newest_rows_wait_past_its_share_of_the_step(make_core, loaded_fp32) -> None:
+    """On a step budget of 16, alpha's 16 decode rows (two requests of n=8, within its slots) take all of
+    it alone; once beta has work, alpha runs 8 rows a step, its older request's, and beta's rows run in
+    every step."""
+    core = make_core(max_batch_tokens=16, max_num_seqs=32, max_queue_wait_s=3600)
+    tokenizer = loaded_fp32.tokenizer
+    alphas = [_request(core, tokenizer, "alpha", i, max_tokens=40, n=8, temperature=0.8, seed=i) for i in range(2)]
+    for req in alphas:
+        core.add(req)
+    plans = _record(core)
+    while core.scheduler.num_running_seqs < 16 or not plans or plans[-1].prefill:
+        core.step()
+    assert len(plans[-1].decode) == 16
+    beta = _request(core, tokenizer, "beta", 2, max_tokens=4)
+    core.add(beta)
+    while not beta.finished:
+        core.step()
+        plan = plans[-1]
+        alpha_rows = [e for e in (*plan.decode, *plan.prefill) if e.req.tenant == "alpha"]
+        assert sum(e.num_tokens for e in alpha_rows) <= 8 and all(e.req is alphas[0] for e in alpha_rows)
+        assert "beta" in _tenants(plan)
+    for req in alphas:
+        core.abort(req.request_id)

@@ -1,16 +1,19 @@
 """No tenant can take the whole engine (issue 53): a real server in keyed mode, tenants alpha and beta.
 
 Beside each of alpha's three hogs, beta's short streamed chats get no 429 and their TTFT p50 stays within
-2x beta's idle figure, measured by this module first, on the same server. The hogs keep the issue's
+2x beta's idle figure, measured by the same test just before, on the same server. The hogs keep the issue's
 shapes, scaled to a loaded 2-core machine (`chatcore bench --suite fairness` runs the issue's sizes):
-- slots: 2 concurrent chats of n=8 (96 tokens, ignore_eos) hold every one of the server's 16 sequence
-  slots (the issue's 8 x n=8 x 800 hold the CPU default's 64);
+- slots: 2 concurrent chats of n=8 (96 tokens, ignore_eos) ask twice the server's 8 sequence slots (the
+  issue's 8 x n=8 x 800 ask the CPU default's 64): one runs, holding every slot, the other waits. While
+  beta has work alpha's share is 4 slots, so its running request (8 sequences) is preempted and
+  recomputed once beta's is done;
 - prompt: one /v1/completions of 2,000 token ids (the issue's 8,000): hundreds of steps of prefill;
 - bodies: 16 concurrent chats of 1 MB messages, as in the issue.
-The server's step budget is 32 tokens (`max_batch_tokens`, 512 by default on the CPU): on two cores a
-step's time grows with its tokens, so the TTFT ratio measures the scheduler's share rather than the
-size of a CPU step; what the share bounds is the same at any budget (alpha's part of each step is
-half of it while beta has work, and beta's request is admitted at once). Before the share, beta waited
+The server's step budget is 16 tokens (`max_batch_tokens`, 512 by default on the CPU): on two cores a
+step's time grows with its tokens and rows (about 4 ms a decode row here, on a 25-30 ms step), and beta's
+first token always waits for the step in flight when it arrives, so at the default budget the ratio
+measures the size of a CPU step rather than the share. What the share bounds is the same at any budget:
+alpha's part of each step is half of it while beta has work, and beta's request is admitted at once. Before the share, beta waited
 for alpha's whole prompt or for its slots: ratios of 100 and more, then 429. Each hog must still be
 running when beta's probes end (or, for the bodies, be refused), so the probes ran beside it.
 """
@@ -30,7 +33,7 @@ from tests.reliability_helpers import log_problems, report, wait_idle
 from tests.server_helpers import create_key, start_server
 
 pytestmark = pytest.mark.model
-PROBES = 5
+PROBES = 7
 PROBE_TOKENS = 4
 HOGS = {"slots": slots_hog(2, 8, 96), "prompt": prompt_hog(2000), "bodies": bodies_hog(16, 1_000_000)}
 
@@ -40,36 +43,35 @@ def tenants(tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("fairness")
     cli = types.SimpleNamespace(env={**os.environ, "CHATCORE_DATA_DIR": str(data_dir)})
     keys = {name: create_key(cli, name, admin=name == "ops") for name in ("ops", "alpha", "beta")}
-    server = start_server(data_dir, max_num_seqs=16, max_batch_tokens=32, max_turns_per_tenant=16)
+    server = start_server(data_dir, max_num_seqs=8, max_batch_tokens=16, max_turns_per_tenant=16)
     server.keys = keys
     yield server
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def idle(tenants) -> Probes:
-    """Beta's figures with nothing else running (after one untimed chat: its system prompt cached)."""
-    async def measure() -> Probes:
-        async with httpx.AsyncClient(base_url=tenants.base_url, timeout=600) as http:
-            await probe(http, tenants.keys["beta"], 1, PROBE_TOKENS)
-            return await probe(http, tenants.keys["beta"], PROBES, PROBE_TOKENS)
-    probes = asyncio.run(measure())
+async def idle(tenants) -> Probes:
+    """Beta's figures with nothing else running, after one untimed chat (its system prompt cached)."""
+    async with httpx.AsyncClient(base_url=tenants.base_url, timeout=600) as http:
+        await probe(http, tenants.keys["beta"], 1, PROBE_TOKENS)
+        probes = await probe(http, tenants.keys["beta"], PROBES, PROBE_TOKENS)
     assert probes.statuses == [200] * PROBES and len(probes.ttft_s) == PROBES, probes
     return probes
 
 
 @pytest.mark.parametrize("name", list(HOGS))
-async def test_beta_is_served_beside_alphas_hog(tenants, idle: Probes, name: str, capsys) -> None:
+async def test_beta_is_served_beside_alphas_hog(tenants, name: str, capsys) -> None:
+    idle_probes = await idle(tenants)  # just before the hog: the machine's load drifts between tests
     got = await beside(tenants.base_url, tenants.keys, HOGS[name], PROBES, PROBE_TOKENS)
     assert got.probes.statuses == [200] * PROBES, got.probes.statuses  # no 429, nothing else
     if name == "bodies":
         assert got.hog_statuses is None or set(got.hog_statuses) == {413}, got.hog_statuses
     else:
         assert got.hog_statuses is None, f"alpha's hog ended before beta's probes: {got.hog_statuses}"
-    ratio = median(got.probes.ttft_s) / median(idle.ttft_s)
+    ratio = median(got.probes.ttft_s) / median(idle_probes.ttft_s)
     report(capsys, f"fairness: beta beside alpha's {name} hog", {
-        "beta TTFT p50 idle (ms)": 1e3 * median(idle.ttft_s), "beta TTFT p50 beside (ms)": 1e3 * median(got.probes.ttft_s),
-        "TTFT ratio": ratio, "beta ITL p50 idle (ms)": 1e3 * median(idle.itl_s),
+        "beta TTFT idle (ms)": [round(1e3 * t) for t in idle_probes.ttft_s],
+        "beta TTFT beside (ms)": [round(1e3 * t) for t in got.probes.ttft_s], "TTFT p50 ratio": ratio,
+        "beta ITL p50 idle (ms)": 1e3 * median(idle_probes.itl_s),
         "beta ITL p50 beside (ms)": 1e3 * median(got.probes.itl_s)})
     assert ratio <= 2.0, [round(t, 3) for t in got.probes.ttft_s]
     await wait_idle(tenants, deadline_s=300, key=tenants.keys["ops"])

@@ -3,16 +3,20 @@
 The share is computed afresh each step, over the tenants with work (a request running or waiting):
 - slots: `max_num_seqs // tenants` sequences each (at least one). A request holds its `n` (or beam
   width) sequences from admission, forked or not (`seats`). A tenant may hold more than its share
-  while no other tenant waits (the slots would idle otherwise); once another tenant waits and its next
-  request does not fit, the scheduler preempts the newest requests of the tenant furthest over its
-  share (recompute) until it does (`over_share`);
+  while no other tenant waits (the slots would idle otherwise), and a tenant holding none may always
+  start one request; once another tenant waits and its next request does not fit, the scheduler
+  preempts the newest requests of the tenant furthest over its share (recompute) until it does
+  (`over_share`), but never a tenant's only request: a request larger than a share (n of 8 with nine
+  tenants on 64 slots) runs to its end rather than being preempted at every arrival;
 - tokens: `max_batch_tokens // tenants` each. A tenant's decode rows and prefill chunks together take
-  at most its share of a step (decode rows first; they are bounded by its slots). What one tenant
+  at most its share of a step (decode rows first, oldest requests' first: its newest rows wait when they
+  pass it, which at the default budgets, a share of tokens above a share of slots, they never do). What one tenant
   leaves unused is not handed to another while both have work: a long prompt never makes the step
   that another tenant's rows wait for longer than its share, so it is chunked across steps with the
   other tenants' chunks and decode rows between. A tenant alone gets the whole budget;
 - order: admission takes the tenant holding the fewest sequences first (ties: the earlier head), and
-  each tenant's requests in their own order; decode rows interleave the tenants (`interleave`), so
+  each tenant's requests in their own order; when that tenant's request does not fit the free slots,
+  nobody else is admitted before it (the slots drain for it, so no large request starves); decode rows interleave the tenants (`interleave`), so
   when a step's budget runs out it runs out for every tenant alike.
 Equal weights; there is no priority. This is deficit-free: a share is recomputed per step, and the
 step's budget is replenished each step, so a tenant that spent nothing carries nothing over.
@@ -59,9 +63,11 @@ def held(running: Iterable[Request]) -> Counter[str]:
 
 
 def over_share(running: list[Request], share: int) -> Request | None:
-    """The newest request of the tenant holding the most slots beyond `share`; None if none is over."""
+    """The newest request of the tenant holding the most slots beyond `share`; None if none is over. A
+    tenant's only running request is never taken: a request larger than a share still runs to its end."""
     counts = held(running)
-    over = [tenant for tenant, count in counts.items() if count > share]
+    requests = Counter(req.tenant for req in running)
+    over = [tenant for tenant, count in counts.items() if count > share and requests[tenant] > 1]
     if not over:
         return None
     tenant = max(over, key=lambda t: counts[t])

@@ -8,10 +8,12 @@ slots and tokens split evenly between the tenants with work):
    nothing is refused for capacity while the engine makes progress for other tenants, and a tenant's
    wait behind its own work stays bounded.
 2. When a tenant waits and its next request does not fit the sequence slots, the newest requests of
-   the tenant furthest over its slot share are preempted until it fits (recompute).
-3. Running requests, the tenants interleaved: every decoding sequence gets one token (but for rows
-   held while their tenant's grammar masks are past its share: chatcore/engine/mask_budget.py), then
-   unfinished prefills get chunks, each tenant within its share of the step's tokens: a long prompt
+   the tenant furthest over its slot share are preempted until it fits (recompute), never a tenant's
+   only request.
+3. Running requests, the tenants interleaved, each tenant within its share of the step's tokens: every
+   decoding sequence gets one token (but for rows held while their tenant's grammar masks are past its
+   share: chatcore/engine/mask_budget.py; and a tenant's newest rows wait while its rows pass its share
+   of the tokens), then unfinished prefills get chunks: a long prompt
    is chunked across steps with other tenants' chunks and decode rows between. A sequence that needs
    a block when none is available preempts the newest request of the tenant holding the most slots
    (its blocks are released; hashed full blocks stay findable as cached-free, so recompute is mostly
@@ -19,7 +21,8 @@ slots and tokens split evenly between the tenants with work):
 4. If nothing was preempted for blocks, waiting requests are admitted, the tenant holding the fewest
    slots first, each tenant's in its own order, while the token budget (and the tenant's share of
    it), the sequence cap and the low watermark allow; a tenant takes more than its slot share only
-   while no other tenant waits. Admission looks up the longest cached prefix, so only uncached tokens
+   while no other tenant waits, or with its first request. When the least served tenant's request
+   does not fit the free slots, nobody is admitted before it, so a large request never starves. Admission looks up the longest cached prefix, so only uncached tokens
    are computed. A request whose next uncached block is being computed right now by a running
    prefill (many users opening chats on one system prompt at once) waits a step or so for it instead
    of computing it a second time.
@@ -220,7 +223,7 @@ class Scheduler:
             for seq in req.live_seqs:
                 if not self.kv_cache.has_table(req, seq) or (seq.to_compute == 1) != decode or seq in held:
                     continue
-                count = min(seq.to_compute, self._budget if decode else self._room(req.tenant))
+                count = min(seq.to_compute, self._room(req.tenant))
                 if count <= 0:
                     continue
                 entry = self._reserve(req, seq, count, plan)
@@ -255,6 +258,8 @@ class Scheduler:
         blocked: set[str] = set()  # tenants whose next request waits for a later step
         while self._budget > 0 and (req := self._next_admission(blocked)) is not None:
             seqs = req.live_seqs
+            if self.num_running_seqs + len(seqs) > self.max_num_seqs and not blocked:
+                break  # the least served tenant's request waits for slots: the others wait behind it
             if not self._may_admit(req):
                 blocked.add(req.tenant)
                 continue
@@ -288,10 +293,11 @@ class Scheduler:
 
     def _may_admit(self, req: Request) -> bool:
         """Whether `req` fits the sequence cap and its tenant's room this step; beyond its tenant's slot
-        share only while no other tenant waits."""
+        share only while no other tenant waits, or as the tenant's only request."""
         if self.num_running_seqs + len(req.live_seqs) > self.max_num_seqs or self._room(req.tenant) <= 0:
             return False
-        within = fair_share.held(self.running)[req.tenant] + fair_share.seats(req) <= self._shares.seqs
+        holds = fair_share.held(self.running)[req.tenant]
+        within = holds == 0 or holds + fair_share.seats(req) <= self._shares.seqs
         return within or all(r.tenant == req.tenant for r in self.waiting)
 
     def _reserve_prefill(self, req: Request, seqs: list[TokenSequence], plan: StepPlan) -> bool:
