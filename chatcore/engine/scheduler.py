@@ -220,9 +220,7 @@ class Scheduler:
         while index < len(self.running):
             req = self.running[index]
             entries: list[ScheduledSeq] = []
-            for seq in req.live_seqs:
-                if not self.kv_cache.has_table(req, seq) or (seq.to_compute == 1) != decode or seq in held:
-                    continue
+            for seq in self._rows(req, decode, held):
                 count = min(seq.to_compute, self._room(req.tenant))
                 if count <= 0:
                     continue
@@ -236,6 +234,17 @@ class Scheduler:
                 index += 1
             else:
                 self._spend(req.tenant, -sum(e.num_tokens for e in entries))
+
+    def _rows(self, req: Request, decode: bool, held: frozenset[TokenSequence]) -> list[TokenSequence]:
+        """The request's sequences to decode (or to prefill) this step. Decode rows lagging behind go first,
+        so that rows past the tenant's share of the step take turns; a beam search's rows go all or none."""
+        seqs = [seq for seq in req.live_seqs
+                if self.kv_cache.has_table(req, seq) and (seq.to_compute == 1) == decode and seq not in held]
+        if not decode:
+            return seqs
+        if req.params.beam_width > 1 and len(seqs) > self._room(req.tenant):
+            return []
+        return sorted(seqs, key=lambda seq: seq.num_generated)
 
     def _reserve(self, req: Request, seq: TokenSequence, count: int, plan: StepPlan) -> ScheduledSeq | None:
         """Slots for the sequence's next `count` tokens. While the pool cannot serve them (the manager's
