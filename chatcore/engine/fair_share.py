@@ -9,17 +9,19 @@ The share is computed afresh each step, over the tenants with work (a request ru
   (`over_share`), but never a tenant's only request: a request larger than a share (n of 8 with nine
   tenants on 64 slots) runs to its end rather than being preempted at every arrival;
 - tokens: `max_batch_tokens // tenants` each. A tenant's decode rows and prefill chunks together take
-  at most its share of a step (decode rows first, oldest requests' first: its newest rows wait when they
-  pass it, which at the default budgets, a share of tokens above a share of slots, they never do). What one tenant
-  leaves unused is not handed to another while both have work: a long prompt never makes the step
-  that another tenant's rows wait for longer than its share, so it is chunked across steps with the
-  other tenants' chunks and decode rows between. A tenant alone gets the whole budget;
+  at most its share of a step (decode rows first, its oldest requests' first; rows past the share wait,
+  taking turns, which at the default budgets, a share of tokens above a share of slots, never happens).
+  What one tenant leaves unused is not handed to another while both have work: a long prompt never
+  makes the step that another tenant's rows wait for longer than its share, so it is chunked across
+  steps with the other tenants' chunks and decode rows between. A tenant alone gets the whole budget;
 - order: admission takes the tenant holding the fewest sequences first (ties: the earlier head), and
   each tenant's requests in their own order; when that tenant's request does not fit the free slots,
-  nobody else is admitted before it (the slots drain for it, so no large request starves); decode rows interleave the tenants (`interleave`), so
-  when a step's budget runs out it runs out for every tenant alike.
-Equal weights; there is no priority. This is deficit-free: a share is recomputed per step, and the
-step's budget is replenished each step, so a tenant that spent nothing carries nothing over.
+  nobody else is admitted before it (the slots drain for it, so no large request starves); decode rows
+  interleave the tenants (`interleave`), so when a step's budget runs out it runs out for every tenant
+  alike.
+Equal weights; there is no priority. Nothing carries over between steps (no deficit counters): the
+shares are recomputed each step from who has work, and admission's order (fewest slots held) is what
+makes the slots fair over time.
 """
 
 from __future__ import annotations

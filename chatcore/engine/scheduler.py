@@ -12,18 +12,19 @@ slots and tokens split evenly between the tenants with work):
    only request.
 3. Running requests, the tenants interleaved, each tenant within its share of the step's tokens: every
    decoding sequence gets one token (but for rows held while their tenant's grammar masks are past its
-   share: chatcore/engine/mask_budget.py; and a tenant's newest rows wait while its rows pass its share
-   of the tokens), then unfinished prefills get chunks: a long prompt
-   is chunked across steps with other tenants' chunks and decode rows between. A sequence that needs
-   a block when none is available preempts the newest request of the tenant holding the most slots
-   (its blocks are released; hashed full blocks stay findable as cached-free, so recompute is mostly
-   prefix hits). If that is itself, it is preempted.
+   share: chatcore/engine/mask_budget.py; and rows past their tenant's share of the tokens, which wait,
+   the rows furthest behind running first so that they take turns; a beam search's rows run all or
+   none), then unfinished prefills get chunks: a long prompt is chunked across steps with other
+   tenants' chunks and decode rows between. A sequence that needs a block when none is available
+   preempts the newest request of the tenant holding the most slots (its blocks are released; hashed
+   full blocks stay findable as cached-free, so recompute is mostly prefix hits). If that is itself,
+   it is preempted.
 4. If nothing was preempted for blocks, waiting requests are admitted, the tenant holding the fewest
    slots first, each tenant's in its own order, while the token budget (and the tenant's share of
    it), the sequence cap and the low watermark allow; a tenant takes more than its slot share only
    while no other tenant waits, or with its first request. When the least served tenant's request
-   does not fit the free slots, nobody is admitted before it, so a large request never starves. Admission looks up the longest cached prefix, so only uncached tokens
-   are computed. A request whose next uncached block is being computed right now by a running
+   does not fit the free slots, nobody is admitted before it, so a large request never starves.
+   Admission looks up the longest cached prefix, so only uncached tokens are computed. A request whose next uncached block is being computed right now by a running
    prefill (many users opening chats on one system prompt at once) waits a step or so for it instead
    of computing it a second time.
 A request that could never fit (its prompt and max_tokens over the pool or the context) is
