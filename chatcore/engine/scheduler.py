@@ -24,9 +24,9 @@ slots and tokens split evenly between the tenants with work):
    it), the sequence cap and the low watermark allow; a tenant takes more than its slot share only
    while no other tenant waits, or with its first request. When the least served tenant's request
    does not fit the free slots, nobody is admitted before it, so a large request never starves.
-   Admission looks up the longest cached prefix, so only uncached tokens are computed. A request whose next uncached block is being computed right now by a running
-   prefill (many users opening chats on one system prompt at once) waits a step or so for it instead
-   of computing it a second time.
+   Admission looks up the longest cached prefix, so only uncached tokens are computed. A request
+   whose next uncached block is being computed right now by a running prefill (many users opening
+   chats on one system prompt at once) waits a step or so for it instead of computing it twice.
 A request that could never fit (its prompt and max_tokens over the pool or the context) is
 refused in `add`, so a lone running request can always make progress: no deadlock.
 """

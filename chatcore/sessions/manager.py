@@ -79,7 +79,7 @@ class SessionManager:
         return await self._tokenizer.run(tenant_id, work)
 
     def check_chars(self, chars: int, tokens: int, what: str, bound: str) -> None:
-        """`TooLarge` for text that cannot fit `tokens` tokens, before it is tokenized (chatcore/sessions/char_bound.py)."""
+        """`TooLarge` for text that cannot fit `tokens` tokens, before it is tokenized (`char_bound`)."""
         check_chars(chars, tokens, self.token_chars, what, bound)
 
     def close(self) -> None:
