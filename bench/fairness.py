@@ -167,7 +167,7 @@ def sizes(ctx: Context) -> dict[str, Any]:
     if ctx.tiny:
         return {"probes": 3, "probe_tokens": 4, "slots": (2, 4, 32), "prompt": 600, "bodies": (4, 1_000_000)}
     if ctx.quick:
-        return {"probes": 5, "probe_tokens": 8, "slots": (4, 8, 200), "prompt": 4000, "bodies": (16, 1_000_000)}
+        return {"probes": 3, "probe_tokens": 6, "slots": (4, 8, 200), "prompt": 4000, "bodies": (16, 1_000_000)}
     return {"probes": 9, "probe_tokens": 16, "slots": (8, 8, 800), "prompt": 8000, "bodies": (16, 1_000_000)}
 
 
