@@ -30,7 +30,9 @@ from tqdm import tqdm
 from chatcore.config import Settings
 
 SUITES = ["single", "throughput", "multiturn", "hitrate", "memory", "sharing", "resume", "server", "sessions", "grammar"]
-ON_REQUEST = ["kernels"]  # run when named, not by `all`: measurements without targets
+# Run when named, not by `all`: kernels (measurements without targets); fairness (minutes of another
+# tenant's hogs on a server of its own).
+ON_REQUEST = ["kernels", "fairness"]
 OPTIONS = ("sessions", "turns", "kv_cache_gb", "kv_disk_gb")  # suite parameters (the sessions suite's)
 
 

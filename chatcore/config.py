@@ -121,7 +121,10 @@ class Settings(BaseSettings):
     max_context: int | None = Field(
         None, ge=32, description="tokens of context per sequence (prompt + answer); default: the model's window")
     max_sessions_per_tenant: int = Field(1000, ge=1, description="stored sessions per tenant at most")
-    max_turns_per_tenant: int = Field(16, ge=1, description="turns running at once per tenant at most; past it: busy")
+    max_turns_per_tenant: int = Field(
+        16, ge=1, description="sequences (a request's n, or its beam width) a tenant has in flight at once at most, "
+        "in keyed mode; in open mode (no keys: every client is one tenant) the bound is max_num_seqs + "
+        "max_waiting_requests; past it: busy")
     import_context_multiple: float = Field(
         8.0, gt=0, description="an import's history holds at most this many contexts (max_context), in tokens, "
         "and 8 characters a token before it is tokenized; past it: too_large")

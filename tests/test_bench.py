@@ -4,6 +4,7 @@ working. Timings at this size mean nothing; only the shape of the output is chec
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -415,3 +416,25 @@ def test_llama_cpp_binding_decodes_the_gguf_greedily(default_model_dir: Path) ->
     assert first.times[0] > first.start and first.own_decode_tok_s > 0
     assert first.prompt_evaluated == again.prompt_evaluated == len(prompt) and again.token_ids == first.token_ids
     assert first.token_ids == sampled
+
+
+@pytest.mark.model
+def test_fairness_suite_tiny(tmp_path: Path, default_model_dir: Path) -> None:
+    """`chatcore bench --suite fairness --quick` at the tiny size: beta idle, then beside each of alpha's
+    three hogs, in one run; each row carries its TTFT and ITL ratios to idle, and the suite its targets."""
+    env = {**os.environ, "CHATCORE_BENCH_TINY": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-m", "chatcore.cli", "bench", "--suite", "fairness", "--quick", "--no-fail",
+                           "--out", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    suite = json.loads((tmp_path / "results.json").read_text())["suites"]["fairness"]
+    assert "error" not in suite, suite["error"]
+    rows = suite["rows"]
+    assert list(rows) == ["idle", "slots", "prompt", "bodies"]
+    for name in ("slots", "prompt", "bodies"):
+        row = rows[name]
+        assert row["requests"] == suite["sizes"]["probes"] and row["ttft_ratio"] > 0 and row["itl_ratio"] > 0, row
+        assert row["ttft_ratio"] == pytest.approx(row["ttft_p50_ms"] / rows["idle"]["ttft_p50_ms"])
+    assert all(status == 413 for status in rows["bodies"]["hog_statuses"] or [])
+    names = [t["name"] for t in suite["targets"]]
+    assert len(names) == 6 and names[0] == "beta TTFT p50 beside alpha's slots hog / idle"

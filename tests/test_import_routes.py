@@ -88,7 +88,7 @@ QUOTA = 50_000
 def limited(tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("import-limits"), max_context=CONTEXT,
                           import_context_multiple=MULTIPLE, max_stored_chars_per_tenant=QUOTA,
-                          max_turns_per_tenant=2, max_concurrent_imports=1)
+                          max_num_seqs=1, max_waiting_requests=1, max_concurrent_imports=1)
     yield server
     server.stop()
 
@@ -135,19 +135,20 @@ def test_import_respects_the_tenant_store_quota(limited):
 
 
 async def test_imports_count_against_the_tenant_turns_and_the_server_import_slots(limited):
-    # Two running turns take the tenant's two slots: an import is busy, like a third turn. (Each
-    # reserves 250 tokens' worst case of the store quota, about 20,000 characters: both fit.)
+    # Two turns take the tenant's two slots (open mode: the engine's capacity, one, plus its queue, one):
+    # an import is busy, like a third turn. (Each reserves 250 tokens' worst case of the store quota, about
+    # 20,000 characters: both fit.)
     sockets = [await websockets.connect(limited.ws_url) for _ in range(2)]
     try:
         for ws in sockets:
             await hello(ws)
             await ws.send(json.dumps({"type": "user", "id": "long", "content": "Count to a thousand.",
                                       "params": {"max_tokens": 250, "ignore_eos": True, "temperature": 0}}))
-        for ws in sockets:
-            await until_tokens(ws, 1)
+        await until_tokens(sockets[0], 1)
+        await recv_until(sockets[1], "start")  # queued behind the first, holding its slot
         status, answer = limited.request("POST", "/v1/sessions/import", {"messages": exchange("a", "b")})
         assert status == 429 and answer["error"]["code"] == "busy", answer
-        assert "max_turns_per_tenant" in answer["error"]["message"]
+        assert "max_num_seqs=1 + max_waiting_requests=1" in answer["error"]["message"]
     finally:
         for ws in sockets:
             await ws.send(json.dumps({"type": "cancel"}))

@@ -24,10 +24,11 @@ GREEDY = {"temperature": 0, "max_tokens": 8}
 
 @pytest.fixture(scope="module")
 def limits(tmp_path_factory):
-    """An open-mode server with small limits, one concurrent turn per tenant, and one allowed origin."""
+    """An open-mode server with small limits, two sequences in flight for its tenant (the engine's capacity,
+    one, plus its queue, one: open mode's bound), and one allowed origin."""
     server = start_server(tmp_path_factory.mktemp("limits-server"), max_frame_bytes=FRAME_LIMIT,
                           max_message_tokens=MESSAGE_TOKEN_LIMIT, max_tokens_limit=MAX_TOKENS_LIMIT,
-                          max_sessions_per_tenant=SESSION_LIMIT, max_turns_per_tenant=1,
+                          max_sessions_per_tenant=SESSION_LIMIT, max_num_seqs=1, max_waiting_requests=1,
                           allowed_origins=json.dumps([ALLOWED_ORIGIN]))
     yield server
     server.stop()
@@ -304,20 +305,22 @@ async def test_concurrent_turns_per_tenant_limit(limits) -> None:
         await a.send(json.dumps({"type": "user", "id": "long", "content": "Count from 1 to 300, one per line.",
                                  "params": {"temperature": 0, "max_tokens": MAX_TOKENS_LIMIT,
                                             "ignore_eos": True}}))
-        await until_tokens(a, 1)  # A's turn is running
-        await expect_error(b, {"type": "user", "id": "b1", "content": "Hi", "params": GREEDY}, "busy")
+        await until_tokens(a, 1)  # A's turn is running, in the engine's one slot
+        # Open mode queues B's turn (the second of its bound of two) rather than refusing it.
+        await b.send(json.dumps({"type": "user", "id": "b1", "content": "Hi", "params": GREEDY}))
+        await recv_until(b, "start")
         resp = raw(limits, "POST", "/v1/chat/completions",
                    json.dumps({"messages": MSG, "max_tokens": 2}).encode(), {"X-Session-Id": session_b["session_id"]})
-        assert_error(resp, 429, "busy")
+        assert_error(resp, 429, "busy")  # B's session runs a turn already
         resp = raw(limits, "POST", "/v1/chat/completions", json.dumps({"messages": MSG, "max_tokens": 2}).encode())
-        assert_error(resp, 429, "busy")  # a stateless request counts against the tenant's turns too
+        assert_error(resp, 429, "busy")  # a stateless request counts against the tenant's bound too
+        assert "max_num_seqs=1 + max_waiting_requests=1" in resp.json()["error"]["message"]
         assert resp.headers["retry-after"] == "1"  # what OpenAI clients wait before retrying
-        await still_open(b)
         await a.send(json.dumps({"type": "cancel"}))
         done = (await recv_until(a, "done"))[-1]
-        assert done["finish_reason"] == "cancelled"  # so A was still running when B was refused
-        # With A done, B's turn is admitted.
-        _, done_b = await turn(b, "Hi", {"temperature": 0, "max_tokens": 2})
+        assert done["finish_reason"] == "cancelled"  # so A was still running when the third was refused
+        # With A done, B's queued turn runs.
+        done_b = (await recv_until(b, "done"))[-1]
         assert done_b["finish_reason"] in ("stop", "length")
 
 

@@ -143,4 +143,4 @@ async def test_a_socket_taken_over_while_its_turn_waits_for_the_session_starts_n
             assert begun == []
             state = manager.live[session["session_id"]]
             assert state.current is None and not state.turn_running
-            assert manager.active_turns[state.tenant_id] == 0
+            assert manager.slots.held(state.tenant_id) == 0

@@ -8,6 +8,7 @@ import asyncio
 import json
 import threading
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -76,21 +77,24 @@ async def _ws_system_prompt(server: InProcessServer, http: httpx.AsyncClient) ->
         return json.loads(await ws.recv())["code"]
 
 
-def _big_body() -> dict[str, Any]:
-    """As large as an HTTP body may be (16 frames), all of it one user message."""
-    return {"messages": [{"role": "user", "content": MARKER + " pear" * ((FRAME_BYTES * 16 - 256) // 5)}],
-            "max_tokens": 2}
+def _big_body(server: InProcessServer) -> dict[str, Any]:
+    """One user message as large as can still be tokenized: just under the character bound of a message
+    (max_message_tokens at the vocabulary's longest token; past it, text is refused untokenized)."""
+    sessions = server.services.sessions
+    chars = sessions.settings.max_message_tokens * sessions.token_chars
+    return {"messages": [{"role": "user", "content": MARKER + " pear" * ((chars - 64) // 5)}], "max_tokens": 2}
 
 
 async def _x_session_id(server: InProcessServer, http: httpx.AsyncClient) -> str:
     created = (await http.post("/v1/sessions", json={})).json()
-    resp = await http.post("/v1/chat/completions", json=_big_body(), headers={"X-Session-Id": created["id"]})
+    resp = await http.post("/v1/chat/completions", json=_big_body(server), headers={"X-Session-Id": created["id"]})
     assert resp.status_code == 413, resp.text
     return resp.json()["error"]["code"]
 
 
 async def _stateless(server: InProcessServer, http: httpx.AsyncClient) -> str:
-    resp = await http.post("/v1/chat/completions", json=_big_body())
+    await http.get("/healthz")  # the app has started: its services exist
+    resp = await http.post("/v1/chat/completions", json=_big_body(server))
     assert resp.status_code == 413, resp.text
     return resp.json()["error"]["code"]
 
@@ -120,9 +124,12 @@ async def test_the_loop_serves_while_a_large_message_is_tokenized(
 
 
 async def test_a_turn_being_tokenized_holds_its_tenant_slot(tmp_path, loaded_fp32, monkeypatch) -> None:
-    """The per-tenant bound is taken before the tokenizer is awaited: while one turn of the tenant is
-    being tokenized, another session's turn and a stateless request of the tenant are refused."""
-    settings = Settings(data_dir=tmp_path, dtype="float32", num_blocks=128, kv_disk_gb=0, max_turns_per_tenant=1)
+    """The per-tenant bound, in sequences, is taken before the tokenizer is awaited: while one turn of the
+    tenant is being tokenized, another session's turn and a stateless request of the tenant that would
+    pass the bound (two sequences each) are refused, naming it. In open mode the bound is the engine's
+    capacity plus its queue (here 1 + 1)."""
+    settings = Settings(data_dir=tmp_path, dtype="float32", num_blocks=128, kv_disk_gb=0, max_num_seqs=1,
+                        max_waiting_requests=1)
     gate = TokenizerGate(monkeypatch, loaded_fp32.tokenizer)
     async with serve(settings, loaded_fp32) as server, \
             httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=120) as http:
@@ -135,16 +142,42 @@ async def test_a_turn_being_tokenized_holds_its_tenant_slot(tmp_path, loaded_fp3
         try:
             assert await asyncio.to_thread(gate.entered.wait, 120)
             assert gate.loop_thread not in gate.threads, "tokenized on the event loop"
-            assert manager.active_turns[tenant] == 1
-            with pytest.raises(Busy):
-                await turns.start(b, "Say hi.", GREEDY)
+            assert manager.slots.held(tenant) == 1
+            with pytest.raises(Busy, match="max_num_seqs=1 \\+ max_waiting_requests=1"):
+                await turns.start(b, "Say hi.", replace(GREEDY, n=2))
             resp = await http.post("/v1/chat/completions",
-                                   json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+                                   json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "n": 2})
             assert resp.status_code == 429 and resp.json()["error"]["code"] == "busy"
+            assert "max_waiting_requests" in resp.json()["error"]["message"]
             assert not first.done()
         finally:
             gate.release.set()
         frames = await first
         await frames.finished.wait()
         assert frames.done_frame is not None and frames.done_frame["finish_reason"] in ("stop", "length")
-        assert manager.active_turns[tenant] == 0
+        assert manager.slots.held(tenant) == 0
+
+
+async def test_text_past_the_character_bound_is_refused_untokenized(tmp_path, loaded_fp32, monkeypatch) -> None:
+    """Text longer than its token bound times the vocabulary's longest token cannot fit: it gets today's
+    too-long refusal (413 too_large) without a moment of the tokenizer thread, which every tenant shares."""
+    settings = Settings(data_dir=tmp_path, dtype="float32", num_blocks=128, kv_disk_gb=0)
+    gate = TokenizerGate(monkeypatch, loaded_fp32.tokenizer)
+    async with serve(settings, loaded_fp32) as server, \
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=120) as http:
+        created = (await http.post("/v1/sessions", json={})).json()
+        sessions = server.services.sessions
+        context_chars = server.services.engine.max_context * sessions.token_chars
+        message_chars = settings.max_message_tokens * sessions.token_chars
+        for body, headers in (
+                ({"messages": [{"role": "user", "content": MARKER + "x" * context_chars}], "max_tokens": 2}, {}),
+                ({"prompt": MARKER + "x" * context_chars, "max_tokens": 2}, {}),
+                ({"messages": [{"role": "user", "content": MARKER + "x" * message_chars}], "max_tokens": 2},
+                 {"X-Session-Id": created["id"]})):
+            path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+            resp = await http.post(path, json=body, headers=headers)
+            assert resp.status_code == 413, resp.text
+            error = resp.json()["error"]
+            assert error["code"] == "too_large" and "characters" in error["message"], error
+        assert not gate.entered.is_set(), "text past the bound was tokenized"
+        assert sessions.slots.held(server.services.local_tenant_id) == 0

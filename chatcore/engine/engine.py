@@ -68,6 +68,7 @@ class InferenceEngine:
         self.tokenizer: Any = core.tokenizer
         self.block_size: int = core.pool.block_size
         self.max_context: int = core.scheduler.max_context  # the longest prompt + max_tokens, in tokens
+        self.max_num_seqs: int = core.scheduler.max_num_seqs  # sequences running at once at most
         self.vocab_size: int = core.vocab_size
         self.kv_dtype: torch.dtype = core.kv.dtype
         # Compiles `response_format`s (the callers' half; the matchers stay in the core): thread-safe, and

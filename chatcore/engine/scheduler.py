@@ -1,18 +1,32 @@
-"""Continuous batching under a token budget, with watermarks and preemption by recompute.
+"""Continuous batching under a token budget, shared fairly between tenants, with watermarks and
+preemption by recompute.
 
-Each `schedule()` builds one engine step:
-1. Waiting requests older than `max_queue_wait_s` fail with `busy`: no wait is unbounded.
-2. Running requests, oldest first: every decoding sequence gets one token (but for rows held
-   while their tenant's grammar masks are past its share: chatcore/engine/mask_budget.py), then
-   unfinished prefills get chunks from what is left of the token budget. A sequence that needs a block
-   when none is available preempts the youngest running request (its blocks are released;
-   hashed full blocks stay findable as cached-free, so recompute is mostly prefix hits). If
-   it is itself the youngest, it is preempted.
-3. If nothing was preempted, waiting requests are admitted in arrival order while the token
-   budget, the sequence cap and the low watermark allow. Admission looks up the longest
-   cached prefix, so only uncached tokens are computed. A request whose next uncached block
-   is being computed right now by a running prefill (many users opening chats on one system
-   prompt at once) waits a step or so for it instead of computing it a second time.
+Each `schedule()` builds one engine step, under the tenants' shares of it (chatcore/engine/fair_share.py:
+slots and tokens split evenly between the tenants with work):
+1. A waiting request fails with `busy` once it has waited `max_queue_wait_s` for its own tenant's
+   work: time in which the engine served another tenant does not count (the clock is paused), so
+   nothing is refused for capacity while the engine makes progress for other tenants, and a tenant's
+   wait behind its own work stays bounded.
+2. When a tenant waits and its next request does not fit the sequence slots, the newest requests of
+   the tenant furthest over its slot share are preempted until it fits (recompute), never a tenant's
+   only request.
+3. Running requests, the tenants interleaved, each tenant within its share of the step's tokens: every
+   decoding sequence gets one token (but for rows held while their tenant's grammar masks are past its
+   share: chatcore/engine/mask_budget.py; and rows past their tenant's share of the tokens, which wait,
+   the rows furthest behind running first so that they take turns; a beam search's rows run all or
+   none), then unfinished prefills get chunks: a long prompt is chunked across steps with other
+   tenants' chunks and decode rows between. A sequence that needs a block when none is available
+   preempts the newest request of the tenant holding the most slots (its blocks are released; hashed
+   full blocks stay findable as cached-free, so recompute is mostly prefix hits). If that is itself,
+   it is preempted.
+4. If nothing was preempted for blocks, waiting requests are admitted, the tenant holding the fewest
+   slots first, each tenant's in its own order, while the token budget (and the tenant's share of
+   it), the sequence cap and the low watermark allow; a tenant takes more than its slot share only
+   while no other tenant waits, or with its first request. When the least served tenant's request
+   does not fit the free slots, nobody is admitted before it, so a large request never starves.
+   Admission looks up the longest cached prefix, so only uncached tokens are computed. A request
+   whose next uncached block is being computed right now by a running prefill (many users opening
+   chats on one system prompt at once) waits a step or so for it instead of computing it twice.
 A request that could never fit (its prompt and max_tokens over the pool or the context) is
 refused in `add`, so a lone running request can always make progress: no deadlock.
 """
@@ -20,9 +34,10 @@ refused in `add`, so a lone running request can always make progress: no deadloc
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from chatcore.engine import fair_share
 from chatcore.engine.errors import QueueFull, RequestRejected
 from chatcore.engine.kv_manager import KVCacheManager
 from chatcore.engine.request import Request, RequestState, TokenSequence
@@ -88,6 +103,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.preemptions = 0
         self._budget = 0
+        self._spent: Counter[str] = Counter()  # tokens each tenant took this step
+        self._shares = fair_share.shares((), max_num_seqs, max_batch_tokens)
+        self._served: frozenset[str] = frozenset()  # the tenants the last step ran rows of
+        self._last_schedule = time.monotonic()
 
     # ----- admission control -----------------------------------------------------------------
     def check_fits(self, req: Request) -> None:
@@ -102,7 +121,7 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.check_fits(req)
         if len(self.waiting) >= self.max_waiting:
-            raise QueueFull(f"{len(self.waiting)} requests are already waiting")
+            raise QueueFull(f"{len(self.waiting)} requests are already waiting (max_waiting_requests)")
         req.state = RequestState.WAITING
         req.waiting_since = time.monotonic()
         self.waiting.append(req)
@@ -144,53 +163,98 @@ class Scheduler:
         """The next step. `held`: decode rows to leave out of it (their tenant's grammar masks are over
         its share: chatcore/engine/mask_budget.py), unless nothing else would run."""
         plan = StepPlan()
-        now = time.monotonic()
-        for req in [r for r in self.waiting if now - r.waiting_since > self.max_queue_wait_s]:
-            req.fail(ErrorCode.BUSY, f"no capacity within max_queue_wait_s={self.max_queue_wait_s:g}s",
-                     FinishReason.BUSY)
-            self.remove(req)
-            plan.failed.append(req)
-
+        self._expire(plan, time.monotonic())
+        self._shares = fair_share.shares([*self.running, *self.waiting], self.max_num_seqs, self.max_batch_tokens)
         self._budget = self.max_batch_tokens
-        self.running.sort(key=lambda r: r.arrival)
+        self._spent = Counter()
+        self._make_room(plan)
+        self.running = fair_share.interleave(self.running)
+        made_room = len(plan.preempted)
         self._schedule_running(plan, decode=True, held=held)
         self._schedule_running(plan, decode=False)
-        if not plan.preempted:
+        if len(plan.preempted) == made_room:
             self._admit(plan)
         if plan.empty and held:  # nobody else to run: the held rows wait for nobody
             self._schedule_running(plan, decode=True)
+        self._served = frozenset(e.req.tenant for e in (*plan.decode, *plan.prefill))
         return plan
+
+    def _expire(self, plan: StepPlan, now: float) -> None:
+        """Fail the requests that waited `max_queue_wait_s` for their own tenant's work. Since the last
+        step, a request whose tenant's wait let other tenants be served had its clock paused."""
+        elapsed, self._last_schedule = now - self._last_schedule, now
+        for req in list(self.waiting):
+            if self._served - {req.tenant}:
+                req.waiting_since = min(now, req.waiting_since + elapsed)
+            elif now - req.waiting_since > self.max_queue_wait_s:
+                req.fail(ErrorCode.BUSY, f"no capacity within max_queue_wait_s={self.max_queue_wait_s:g}s",
+                         FinishReason.BUSY)
+                self.remove(req)
+                plan.failed.append(req)
+
+    def _make_room(self, plan: StepPlan) -> None:
+        """For each tenant under its slot share whose next request does not fit the slots, preempt the
+        newest requests of the tenant furthest over its share until it does."""
+        share = self._shares.seqs
+        for tenant, head in fair_share.heads(list(self.waiting)).items():
+            while self.num_running_seqs + len(head.live_seqs) > self.max_num_seqs:
+                if fair_share.held(self.running)[tenant] >= share:
+                    break
+                victim = fair_share.over_share(self.running, share)
+                if victim is None or victim.tenant == tenant:
+                    break
+                self.preempt(victim)
+                plan.preempted.append(victim)
+
+    def _room(self, tenant: str) -> int:
+        """Tokens `tenant` may still take this step: its share of the budget while others have work."""
+        if not self._shares.contended:
+            return self._budget
+        return min(self._budget, self._shares.tokens - self._spent[tenant])
+
+    def _spend(self, tenant: str, tokens: int) -> None:
+        self._budget -= tokens
+        self._spent[tenant] += tokens
 
     def _schedule_running(self, plan: StepPlan, decode: bool, held: frozenset[TokenSequence] = frozenset()) -> None:
         index = 0
         while index < len(self.running):
             req = self.running[index]
             entries: list[ScheduledSeq] = []
-            for seq in req.live_seqs:
-                if not self.kv_cache.has_table(req, seq) or (seq.to_compute == 1) != decode or seq in held:
-                    continue
-                count = min(seq.to_compute, self._budget)
+            for seq in self._rows(req, decode, held):
+                count = min(seq.to_compute, self._room(req.tenant))
                 if count <= 0:
                     continue
                 entry = self._reserve(req, seq, count, plan)
                 if entry is None:
                     break
                 entries.append(entry)
-                self._budget -= count
+                self._spend(req.tenant, count)
             if req in self.running:
                 (plan.decode if decode else plan.prefill).extend(entries)
                 index += 1
             else:
-                self._budget += sum(e.num_tokens for e in entries)
+                self._spend(req.tenant, -sum(e.num_tokens for e in entries))
+
+    def _rows(self, req: Request, decode: bool, held: frozenset[TokenSequence]) -> list[TokenSequence]:
+        """The request's sequences to decode (or to prefill) this step. Decode rows lagging behind go first,
+        so that rows past the tenant's share of the step take turns; a beam search's rows go all or none."""
+        seqs = [seq for seq in req.live_seqs
+                if self.kv_cache.has_table(req, seq) and (seq.to_compute == 1) == decode and seq not in held]
+        if not decode:
+            return seqs
+        if req.params.beam_width > 1 and len(seqs) > self._room(req.tenant):
+            return []
+        return sorted(seqs, key=lambda seq: seq.num_generated)
 
     def _reserve(self, req: Request, seq: TokenSequence, count: int, plan: StepPlan) -> ScheduledSeq | None:
         """Slots for the sequence's next `count` tokens. While the pool cannot serve them (the manager's
-        `allocate_slots` returns None, the sessions' pins already reclaimed), the youngest running request
-        is preempted; None when that was `req` itself."""
+        `allocate_slots` returns None, the sessions' pins already reclaimed), the newest request of the
+        tenant holding the most slots is preempted; None when that was `req` itself."""
         start = seq.num_computed
         while (reserved := self.kv_cache.allocate_slots(req, seq, count)) is None:
-            victim = self.running[-1]
-            self._budget += plan.drop(victim)
+            victim = fair_share.heaviest_newest(self.running)
+            self._spend(victim.tenant, -plan.drop(victim))
             self.preempt(victim)
             plan.preempted.append(victim)
             if victim is req:
@@ -201,20 +265,24 @@ class Scheduler:
     def _admit(self, plan: StepPlan) -> None:
         inflight = {h for r in self.running for h in self._inflight(r)}
         deferred: list[Request] = []
-        while self.waiting and self._budget > 0:
-            req = self.waiting[0]
+        blocked: set[str] = set()  # tenants whose next request waits for a later step
+        while self._budget > 0 and (req := self._next_admission(blocked)) is not None:
             seqs = req.live_seqs
-            if self.num_running_seqs + len(seqs) > self.max_num_seqs:
-                break
+            if self.num_running_seqs + len(seqs) > self.max_num_seqs and not blocked:
+                break  # the least served tenant's request waits for slots: the others wait behind it
+            if not self._may_admit(req):
+                blocked.add(req.tenant)
+                continue
             cached_blocks = self.kv_cache.get_computed_blocks(req, seqs)
             if self._next_block_inflight(req, cached_blocks, inflight):
                 self.kv_cache.unwind(req)
-                deferred.append(self.waiting.popleft())
+                self.waiting.remove(req)
+                deferred.append(req)
                 continue
             if not self.kv_cache.can_admit(req, alone=not self.running):
                 self.kv_cache.unwind(req)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             self.kv_cache.admit(req)
             if req.first_scheduled is None:
                 req.first_scheduled = time.monotonic()
@@ -226,18 +294,34 @@ class Scheduler:
             inflight.update(self._inflight(req))
         self.waiting.extendleft(reversed(deferred))
 
+    def _next_admission(self, blocked: set[str]) -> Request | None:
+        """The next request to try: the head of the tenant holding the fewest slots (ties: queue order)."""
+        counts = fair_share.held(self.running)
+        candidates = [(counts[t], i, req) for i, (t, req) in enumerate(fair_share.heads(self.waiting).items())
+                      if t not in blocked]
+        return min(candidates, key=lambda c: (c[0], c[1]))[2] if candidates else None
+
+    def _may_admit(self, req: Request) -> bool:
+        """Whether `req` fits the sequence cap and its tenant's room this step; beyond its tenant's slot
+        share only while no other tenant waits, or as the tenant's only request."""
+        if self.num_running_seqs + len(req.live_seqs) > self.max_num_seqs or self._room(req.tenant) <= 0:
+            return False
+        holds = fair_share.held(self.running)[req.tenant]
+        within = holds == 0 or holds + fair_share.seats(req) <= self._shares.seqs
+        return within or all(r.tenant == req.tenant for r in self.waiting)
+
     def _reserve_prefill(self, req: Request, seqs: list[TokenSequence], plan: StepPlan) -> bool:
         """An admitted request's first chunks; False if the pool could not serve them after all (the
         request went back to waiting: `_reserve`), which `can_admit` rules out."""
         for seq in seqs:
-            count = min(seq.to_compute, self._budget)
+            count = min(seq.to_compute, self._room(req.tenant))
             if count <= 0:
                 continue
             entry = self._reserve(req, seq, count, plan)
             if entry is None:
                 return False
             plan.prefill.append(entry)
-            self._budget -= count
+            self._spend(req.tenant, count)
         return True
 
     def _inflight(self, req: Request) -> list[bytes]:

@@ -118,7 +118,7 @@ async def completions(data: CompletionRequest, services: Services, principal: Pr
                              logprobs=data.logprobs is not None, top_logprobs=data.logprobs or 0,
                              default_temperature=1.0, default_max_tokens=16)
     events = engine_events(services, principal.tenant_id, _prompt_ids(services.engine.tokenizer, prompt), params,
-                           data.max_tokens is not None)
+                           data.max_tokens is not None, chars=len(prompt) if isinstance(prompt, str) else 0)
     completion = TextCompletion(services, services.sessions.token_texts if params.logprobs else None)
     if data.stream:
         include_usage = data.stream_options is not None and data.stream_options.include_usage

@@ -71,20 +71,15 @@ def _slots(services: Services, tenant_id: str) -> Iterator[None]:
     """One of the tenant's turn slots and one of the server's import slots, or `busy`. Taken before the
     first await: an import waits for the tokenizer thread that every turn shares, so neither a tenant
     nor the server may queue many of them there."""
-    active = services.sessions.active_turns
-    turns_limit = services.settings.max_turns_per_tenant
     imports_limit = services.settings.max_concurrent_imports
-    if active[tenant_id] >= turns_limit:
-        raise ApiError(ErrorCode.BUSY, f"the tenant already runs {turns_limit} requests (max_turns_per_tenant)")
     if services.imports_running >= imports_limit:
         raise ApiError(ErrorCode.BUSY, f"{imports_limit} imports are running (max_concurrent_imports); retry later")
-    active[tenant_id] += 1
-    services.imports_running += 1
-    try:
-        yield
-    finally:
-        active[tenant_id] -= 1
-        services.imports_running -= 1
+    with services.sessions.slots.hold(tenant_id, 1):
+        services.imports_running += 1
+        try:
+            yield
+        finally:
+            services.imports_running -= 1
 
 
 @post("/v1/sessions/import", status_code=201, request_max_body_size=MAX_BODY_BYTES)
@@ -113,7 +108,8 @@ async def _fill(services: Services, state: SessionState, messages: list[dict[str
     max_tokens, _ = import_limits(services)
     async with state.lock:
         history = [*state.messages, *messages]
-        tokens = await manager.tokenize(lambda: manager.template.render(history, generation_prompt=False))
+        tokens = await manager.tokenize(state.tenant_id,
+                                        lambda: manager.template.render(history, generation_prompt=False))
         if len(tokens) > max_tokens:
             raise ApiError(ErrorCode.TOO_LARGE,
                            f"the import is {len(tokens)} tokens; the limit is {max_tokens} "

@@ -172,20 +172,20 @@ def message(text: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def engine_events(services: Services, principal_tenant: str, prompt_of: Callable[[], list[int]],
-                        params: SamplingParams, max_tokens_given: bool = True) -> AsyncIterator[tuple[str, Any]]:
+                        params: SamplingParams, max_tokens_given: bool = True, *,
+                        chars: int) -> AsyncIterator[tuple[str, Any]]:
     """Stateless: ('delta', (index, text, logprobs or None)) events, then ('done', (reasons, usage
-    triple)). `prompt_of` gives the prompt's token ids, on the tokenizer thread; `params`' grammar is
-    compiled here, within the tenant's slot. A default `max_tokens` (not `max_tokens_given`) shrinks
-    to the context the prompt leaves."""
+    triple)). `prompt_of` gives the prompt's token ids, on the tokenizer thread, from text of `chars`
+    characters (0 for token ids), refused before it is tokenized if it cannot fit the context; `params`'
+    grammar is compiled here, within the tenant's slot. A default `max_tokens` (not `max_tokens_given`)
+    shrinks to the context the prompt leaves."""
     engine = services.engine
-    active = services.sessions.active_turns  # the same per-tenant bound as session turns
-    limit = services.settings.max_turns_per_tenant
-    if active[principal_tenant] >= limit:
-        raise ApiError(ErrorCode.BUSY, f"the tenant already runs {limit} requests")
-    active[principal_tenant] += 1  # before the first await: tokenizing and compiling count against the bound too
+    services.sessions.check_chars(chars, engine.max_context, "the prompt", "the context")
+    slots = services.sessions.slots  # the same per-tenant bound as session turns, in sequences
+    slots.take(principal_tenant, params.num_sequences)  # before the first await: tokenizing and compiling count too
     final: RequestOutput | None = None
     try:
-        prompt = await services.sessions.tokenize(prompt_of)
+        prompt = await services.sessions.tokenize(principal_tenant, prompt_of)
         params = await compile_response_format(engine.grammar_compiler, params, principal_tenant)
         context = engine.max_context
         if not max_tokens_given and len(prompt) < context:
@@ -201,7 +201,7 @@ async def engine_events(services: Services, principal_tenant: str, prompt_of: Ca
                 if out.finished:
                     final = out
     finally:
-        active[principal_tenant] -= 1
+        slots.give(principal_tenant, params.num_sequences)
     assert final is not None and final.usage is not None and final.timings is not None
     reasons = {o.index: o.finish_reason for o in final.outputs}
     if final.error_code is not None:
@@ -288,7 +288,7 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
         engine = services.engine
         shown = tools.for_template if tools is not None else None
         events = engine_events(services, principal.tenant_id, lambda: engine.chat_prompt(messages, shown), params,
-                               max_tokens is not None)
+                               max_tokens is not None, chars=sum(len(m.get("content") or "") for m in messages))
         if tools is not None and tools.choice != "none":
             events = read_calls(events, tools)
     completion = Completion(services, services.sessions.token_texts if params.logprobs else None)

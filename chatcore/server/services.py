@@ -88,7 +88,7 @@ class Services:
         log.info("engine: %s on %s in %s; KV tiers: %s; %s", loaded.path.name, loaded.device, loaded.dtype_name,
                  describe("device pool", tiers["device"]),
                  describe("disk tier", tiers["disk"]) if tiers["disk"] else "no disk tier")
-        manager = SessionManager(engine, sessionmaker, settings, metrics, disk)
+        manager = SessionManager(engine, sessionmaker, settings, metrics, disk, open_tenant=local.id)
         interrupted = await manager.mark_interrupted()
         if interrupted:
             log.warning("%d turn(s) were interrupted by the last shutdown", interrupted)

@@ -72,7 +72,7 @@ async def branch(manager: SessionManager, tenant_id: str, session_id: str, keep:
                   if source.window_start == 0 and keep else None)
         system_prompt, title = source.system_prompt, f"{source.title} (branch)"[:MAX_TITLE] if source.title else ""
     if tokens is None and keep:
-        tokens = await manager.tokenize(lambda: manager.template.render(messages, generation_prompt=False))
+        tokens = await manager.tokenize(tenant_id, lambda: manager.template.render(messages, generation_prompt=False))
     copied = sum(len(user.content) + len(assistant.content) for user, assistant in pairs)
     async with manager.quota.hold(tenant_id, copied, "the branch"):  # the system prompt: `create`'s
         state, token = await manager.create(tenant_id, system_prompt=system_prompt, title=title)

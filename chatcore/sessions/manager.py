@@ -11,9 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -25,6 +24,7 @@ from chatcore.engine.engine import InferenceEngine
 from chatcore.engine.token_logprobs import TokenTexts
 from chatcore.metrics import Metrics
 from chatcore.outcomes import FinishReason
+from chatcore.sessions.char_bound import check_chars
 from chatcore.sessions.disk_tier import DiskTier
 from chatcore.sessions.errors import Busy, Conflict, NotFound, Unauthorized
 from chatcore.sessions.frames import TurnFrames
@@ -33,7 +33,9 @@ from chatcore.sessions.quota import StoreQuota, longest_token
 from chatcore.sessions.report import done_frame, timing, usage
 from chatcore.sessions.state import HISTORY_REASONS, SessionState
 from chatcore.sessions.system_prompt import check_room_for_a_turn
+from chatcore.sessions.tenant_slots import TenantSlots
 from chatcore.sessions.template import ChatTemplate
+from chatcore.sessions.tokenize_queue import FairTokenizer
 from chatcore.sessions.window import exchanges, view
 from chatcore.store.models import ChatSession, Turn
 from chatcore.store.repos import Chain, Repos, TurnStats
@@ -50,7 +52,8 @@ SESSION_ID = re.compile(r"[A-Za-z0-9_-]{22}|[0-9a-f]{32}")
 
 class SessionManager:
     def __init__(self, engine: InferenceEngine, sessionmaker: async_sessionmaker[AsyncSession], settings: Settings,
-                 metrics: Metrics, disk: DiskTier | None = None) -> None:
+                 metrics: Metrics, disk: DiskTier | None = None, open_tenant: str | None = None) -> None:
+        """`open_tenant`: the local tenant, whom every client is in open mode (`TenantSlots`)."""
         self.engine = engine
         self.sessionmaker = sessionmaker
         self.settings = settings
@@ -62,24 +65,26 @@ class SessionManager:
         self.token_texts = TokenTexts(loaded.tokenizer)  # log-probs' token texts, for every route
         self.token_chars = longest_token(loaded.tokenizer)  # the most characters a generated token adds
         self.quota = StoreQuota(sessionmaker, settings.max_stored_chars_per_tenant)
-        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatcore-tokenize")
+        self._tokenizer = FairTokenizer()
         self.live: dict[str, SessionState] = {}
-        self.active_turns: Counter[str] = Counter()
+        self.slots = TenantSlots(settings, engine.max_num_seqs, open_tenant)  # sequences in flight per tenant
         self._loading: dict[str, asyncio.Lock] = {}
         self.leases = LeaseKeeper(sessionmaker, settings,
                                   running=lambda: [sid for sid, s in self.live.items() if s.turn_running])
 
-    async def tokenize(self, work: Callable[[], T]) -> T:
-        """Run `work`, tokenizer work on text a client sent (an encode, or the chat template rendered
-        to ids), on the tokenizer thread: a 1 MiB body takes about a second and a half to tokenize,
-        and the event loop keeps serving meanwhile. One thread, so encodes never run concurrently
-        (a fast tokenizer's truncation and padding are state its encode may set); the engine
-        thread only decodes."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, work)
+    async def tokenize(self, tenant_id: str, work: Callable[[], T]) -> T:
+        """Run `work`, tokenizer work on text the tenant sent (an encode, or the chat template rendered
+        to ids), on the tokenizer thread, in the tenant's turn (chatcore/sessions/tokenize_queue.py):
+        the event loop keeps serving meanwhile, and no tenant's queue delays another's by more than a job."""
+        return await self._tokenizer.run(tenant_id, work)
+
+    def check_chars(self, chars: int, tokens: int, what: str, bound: str) -> None:
+        """`TooLarge` for text that cannot fit `tokens` tokens, before it is tokenized (`char_bound`)."""
+        check_chars(chars, tokens, self.token_chars, what, bound)
 
     def close(self) -> None:
         """Stop the tokenizer thread (at shutdown): queued work is cancelled, not run."""
-        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        self._tokenizer.close()
 
     def scope_key(self, tenant_id: str) -> str:
         return "global" if self.settings.cache_scope == "global" else f"tenant:{tenant_id}"
@@ -92,7 +97,8 @@ class SessionManager:
         anything is stored, for a system prompt that leaves no room for a turn; the system prompt counts
         against the tenant's store quota."""
         if system_prompt:
-            await check_room_for_a_turn(system_prompt, self.template, self.engine, self.tokenize)
+            self.check_chars(len(system_prompt), self.engine.max_context, "the system prompt", "the context")
+            await check_room_for_a_turn(system_prompt, self.template, self.engine, partial(self.tokenize, tenant_id))
         async with (self.quota.hold(tenant_id, len(system_prompt or ""), "the system prompt"),
                     self.sessionmaker() as db, db.begin()):
             repos = Repos(db)
@@ -217,7 +223,8 @@ class SessionManager:
         elif chain is not None and state.history():
             # Another model wrote this history: re-render its window; nothing of the old KV is reused.
             messages = view(state.messages, state.window_start)
-            state.tokens = await self.tokenize(lambda: self.template.render(messages, generation_prompt=False))
+            state.tokens = await self.tokenize(row.tenant_id,
+                                               lambda: self.template.render(messages, generation_prompt=False))
         return state
 
     async def resume(self, tenant_id: str, session_id: str, token: str | None) -> SessionState:

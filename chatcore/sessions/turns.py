@@ -78,15 +78,13 @@ class TurnRunner:
                 return state.current
             if state.turn_running:
                 raise Busy("a turn is already running in this session")
-            if self.sessions.active_turns[state.tenant_id] >= self.settings.max_turns_per_tenant:
-                raise Busy(f"the tenant already runs {self.settings.max_turns_per_tenant} turns")
             # Taken before the first await (the lease, the tokenizer thread, the database), so that
             # no other turn of the tenant passes the check meanwhile; the turn task gives it back.
-            self.sessions.active_turns[state.tenant_id] += 1
+            self.sessions.slots.take(state.tenant_id, params.num_sequences)
             try:
                 return await self._begin(state, content, params, client_id, max_tokens_given)
             except BaseException:
-                self.sessions.active_turns[state.tenant_id] -= 1
+                self.sessions.slots.give(state.tenant_id, params.num_sequences)
                 raise
 
     async def _begin(self, state: SessionState, content: str, params: SamplingParams,
@@ -94,7 +92,10 @@ class TurnRunner:
         """The turn's prompt, rows and task (the caller holds `state.lock`, so the history stays put)."""
         await self.sessions.hold(state)  # the lease: this replica alone runs the session's turns
         context = self.engine.max_context
-        window = await self.sessions.tokenize(lambda: self._prompt(state, content, params.max_tokens, context))
+        limit = self.settings.max_message_tokens
+        self.sessions.check_chars(len(content), limit, "the message", "max_message_tokens")
+        window = await self.sessions.tokenize(state.tenant_id,
+                                              lambda: self._prompt(state, content, params.max_tokens, context))
         params = await self._compile(params, state.tenant_id)
         prompt, added = window.prompt, window.added
         if not max_tokens_given and len(prompt) < context:
@@ -191,7 +192,7 @@ class TurnRunner:
                 error = ErrorCode.INTERNAL
             await self._finish(state, frames, req, content, window, final, error, assistant_id)
         finally:
-            self.sessions.active_turns[state.tenant_id] -= 1
+            self.sessions.slots.give(state.tenant_id, req.params.num_sequences)
             stored.settle()
             state.request_id = None
             state.last_active = time.monotonic()
