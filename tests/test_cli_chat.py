@@ -339,8 +339,10 @@ def test_resume_tokens_are_bound_to_their_server_and_the_folder_to_0700(server: 
         store = json.loads(tokens.read_text())
         store["servers"][other] = {session_id: "a-token-of-the-other-server"}
         tokens.write_text(json.dumps(store))
+        os.chmod(client_dir / "chat", 0o777)  # loosened again: the next run writes no token, and still fixes it
         again = chat(server.ws_url, client_dir, f"--session={session_id}", lines="/exit\n")
         assert again.returncode == 0 and session_of(again.stdout) == session_id, again.stderr
+        assert (client_dir / "chat").stat().st_mode & 0o777 == 0o700
         assert stored_token(client_dir, session_id, other) == "a-token-of-the-other-server"
         sent_there = chat(other, client_dir, f"--session={session_id}", lines="/exit\n")
         assert sent_there.returncode == 2 and "resume token" in sent_there.stderr and proxy.accepted == 1

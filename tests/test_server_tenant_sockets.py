@@ -83,7 +83,8 @@ async def test_one_tenants_idle_sockets_leave_another_tenant_served(capped):
         for ws in sockets:
             await ws.close()
     async with asyncio.timeout(60):  # alpha's closes reach the server: its share is free again
-        while httpx.get(capped.base_url + "/v1/sessions", headers=bearer(capped, "alpha"), timeout=60).status_code != 200:
+        while httpx.get(capped.base_url + "/v1/sessions", headers=bearer(capped, "alpha"),
+                        timeout=60).status_code != 200:
             await asyncio.sleep(0.05)  # polling a state with a deadline
 
 

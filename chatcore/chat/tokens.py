@@ -16,6 +16,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 FILE_NAME = "sessions.json"
 FOLDER_MODE = 0o700
@@ -30,6 +31,8 @@ class TokenStore:
         return self._read().get(url, {}).get(session_id)
 
     def put(self, url: str, session_id: str, resume_token: str) -> None:
+        if self.path.parent.is_dir():
+            os.chmod(self.path.parent, FOLDER_MODE)  # an existing folder too, whether or not this call writes
         servers = self._read()
         if servers.get(url, {}).get(session_id) == resume_token:
             return
@@ -41,11 +44,15 @@ class TokenStore:
             data = json.loads(self.path.read_text(encoding="utf-8"))
         except (FileNotFoundError, ValueError):  # not JSON: treated as empty, and replaced whole on the next write
             return {}
-        servers = data.get("servers") if isinstance(data, dict) else None
-        if not isinstance(servers, dict):
+        if not isinstance(data, dict):
             return {}
-        return {url: {sid: token for sid, token in sessions.items() if isinstance(token, str)}
-                for url, sessions in servers.items() if isinstance(sessions, dict)}
+        servers: Servers = {url: {sid: token for sid, token in sessions.items() if isinstance(token, str)}
+                            for url, sessions in _mapping(data.get("servers")).items() if isinstance(sessions, dict)}
+        for sid, entry in _mapping(data.get("sessions")).items():  # as written before it kept servers apart
+            url, token = _mapping(entry).get("url"), _mapping(entry).get("resume_token")
+            if isinstance(url, str) and isinstance(token, str):
+                servers.setdefault(url, {}).setdefault(sid, token)
+        return servers
 
     def _write(self, servers: Servers) -> None:
         folder = self.path.parent
@@ -59,3 +66,7 @@ class TokenStore:
         except BaseException:
             Path(staging).unlink(missing_ok=True)
             raise
+
+
+def _mapping(value: object) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}

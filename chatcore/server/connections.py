@@ -203,9 +203,6 @@ class TenantConnections:
         if not self._held[tenant_id]:
             del self._held[tenant_id]
 
-    def held(self, tenant_id: str) -> int:
-        return self._held[tenant_id]
-
 
 HELD_SCOPE_KEY = "chatcore.tenant_connection"  # the tenant an HTTP request's connection was counted for
 

@@ -5,6 +5,11 @@ task, so frames are never interleaved. A running turn's frames reach the socket 
 subscription that replays what the client missed (`seq > last_seq`) and then follows live.
 When the socket goes, the turn keeps running; if nobody re-attaches within the grace
 period, it is cancelled as `disconnected`.
+
+An authenticated socket counts against its tenant's connections (`max_connections_per_tenant`,
+chatcore/server/connections.py) for its whole life, and is closed (4408) once it has received no
+frame and followed no turn for `socket_idle_timeout_s`: the idle time restarts at each frame received
+and at the end of each turn it follows.
 """
 
 from __future__ import annotations
