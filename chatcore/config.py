@@ -140,6 +140,13 @@ class Settings(BaseSettings):
                                     "this long after it opened (or after its last response) is closed")
     body_timeout_s: float = Field(30.0, gt=0, description="a request whose body has not arrived in full this long "
                                   "after its headers did gets 408 and its connection is closed")
+    max_connections_per_tenant: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="a tenant's open WebSockets and HTTP requests in flight, at most; auto: half of "
+        "max_connections, so no tenant holds them all; past it a request gets busy (429) and a socket an error "
+        "frame and a close (1008)")
+    socket_idle_timeout_s: float = Field(
+        300.0, gt=0, description="a WebSocket that has sent no frame (a ping counts) and runs no turn for this "
+        "long is closed (4408, naming this setting); a client that pings stays open")
     max_unauthenticated_sockets_per_address: int = Field(
         8, ge=1, description="WebSockets from one client address waiting for their auth frame at once, at most; "
         "past it the socket gets busy and is closed (1008)")
@@ -195,6 +202,12 @@ class Settings(BaseSettings):
         if self.database_url:
             return self.database_url
         return f"sqlite+aiosqlite:///{self.data_dir / 'chatcore.db'}"
+
+    @property
+    def resolved_max_connections_per_tenant(self) -> int:
+        if self.max_connections_per_tenant != "auto":
+            return self.max_connections_per_tenant
+        return max(1, self.max_connections // 2)
 
     @property
     def resolved_kv_disk_dir(self) -> Path:

@@ -143,6 +143,8 @@ def _checked(weight: QuantWeight) -> QuantWeight:
     """`weight` when its data is what `lay_out` gives for its type and shape (else ValueError): the C reads it all."""
     _check_qtype(weight.qtype)
     data, expected = weight.data, _laid_out_bytes(weight.qtype, weight.out_features, weight.in_features)
+    if weight.out_features <= 0:
+        raise ValueError(f"a {weight.qtype} weight needs out_features >= 1, not {weight.out_features}")
     if (weight.in_features <= 0 or weight.in_features % BLOCK or data.dtype != torch.uint8 or not data.is_cpu
             or data.numel() != expected or not data.is_contiguous()):
         raise ValueError(f"a {weight.qtype} [{weight.out_features}, {weight.in_features}] weight must be lay_out's "
@@ -194,6 +196,8 @@ def _checked_rows(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | Non
     if x.dtype not in _DTYPES or not x.is_cpu or not shape or shape[-1] != weight.in_features:
         raise ValueError(f"the quantized linear takes float32 or bfloat16 rows of {weight.in_features} features on "
                          f"the CPU, not {tuple(shape)} {x.dtype} on {x.device}")
+    if x.numel() == 0:
+        raise ValueError(f"the quantized linear takes at least one row, not {tuple(shape)}")
     if bias is not None and (tuple(bias.shape) != (weight.out_features,) or not bias.is_cpu):
         raise ValueError(f"the bias must be [{weight.out_features}] on the CPU, not {tuple(bias.shape)} on {bias.device}")
 

@@ -3,6 +3,8 @@ reading a pipe or a pseudo-terminal, and what it prints is checked against what 
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import pty
 import select
@@ -109,28 +111,26 @@ def test_a_session_resumes_by_id_after_the_client_exits(server: LiveServer, clie
     first = chat(server.ws_url, client_dir, lines="My name is Ada.\n")  # the end of the input ends it too
     assert first.returncode == 0, first.stderr
     session_id = session_of(first.stdout)
-    second = chat(server.ws_url, client_dir, "--session", session_id, lines="What is my name?\n")
+    second = chat(server.ws_url, client_dir, f"--session={session_id}", lines="What is my name?\n")
     assert second.returncode == 0, second.stderr
     assert session_of(second.stdout) == session_id  # no token typed: the client kept it
     history = stored(server, session_id)["history"]
     assert [m["content"] for m in history[::2]] == ["My name is Ada.", "What is my name?"]
     assert second.stdout == f"session: {session_id}\n{history[3]['content']}\n"
-    elsewhere = chat(server.ws_url, client_dir.parent / "other-client", "--session", session_id, lines="Hi\n")
+    elsewhere = chat(server.ws_url, client_dir.parent / "other-client", f"--session={session_id}", lines="Hi\n")
     assert elsewhere.returncode == 2 and elsewhere.stdout == ""
     assert elsewhere.stderr.count("\n") == 1 and "--resume-token" in elsewhere.stderr
-    token = stored_token(client_dir, session_id)
-    given = chat(server.ws_url, client_dir.parent / "other-client", "--session", session_id,
-                 "--resume-token", token, lines="/exit\n")
+    token = stored_token(client_dir, session_id, server.ws_url)
+    given = chat(server.ws_url, client_dir.parent / "other-client", f"--session={session_id}",
+                 f"--resume-token={token}", lines="/exit\n")
     assert given.returncode == 0 and session_of(given.stdout) == session_id
-    wrong = chat(server.ws_url, client_dir.parent / "other-client", "--session", session_id,
+    wrong = chat(server.ws_url, client_dir.parent / "other-client", f"--session={session_id}",
                  "--resume-token", "not-the-token", lines="/exit\n")
     assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1 and "--resume-token" in wrong.stderr
 
 
-def stored_token(client_dir: Path, session_id: str) -> str:
-    import json
-
-    return json.loads((client_dir / "chat" / "sessions.json").read_text())["sessions"][session_id]["resume_token"]
+def stored_token(client_dir: Path, session_id: str, url: str) -> str:
+    return json.loads((client_dir / "chat" / "sessions.json").read_text())["servers"][url][session_id]
 
 
 def test_new_system_and_sessions(server: LiveServer, client_dir: Path) -> None:
@@ -310,3 +310,77 @@ def test_keyed_mode_takes_the_api_key_and_names_it_when_missing(tmp_path: Path) 
         assert "Traceback" not in refused.stderr
     finally:
         live.stop()
+
+
+HOSTILE = ("Hi \x1b]52;c;c3RvbGVu\x07there\x1b[2J\x1b[H, \x1b]0;owned\x1b\\see "
+           "\x1b]8;;http://evil.example\x1b\\this\x1b]8;;\x1b\\\x9b31m now\x08\x7f\r\tand\nmore")
+CONTROLS = [chr(c) for c in (*range(0x00, 0x09), *range(0x0b, 0x20), *range(0x7f, 0xa0))]
+
+
+def test_server_text_reaches_the_terminal_without_control_sequences(server: LiveServer, client_dir: Path) -> None:
+    """History, titles and ids from the server print with every escape and control stripped, newlines and tabs
+    kept; an import's title holding ESC is refused."""
+    exchange = [{"role": "user", "content": "Say it."}, {"role": "assistant", "content": HOSTILE}]
+    status, refused = server.request("POST", "/v1/sessions/import",
+                                     {"title": "a\x1b]0;title\x07", "messages": exchange})
+    assert status == 400 and "control characters" in refused["error"]["message"], refused
+    status, imported = server.request("POST", "/v1/sessions/import", {"title": "Plain", "messages": exchange})
+    assert status == 201, imported
+    done = chat(server.ws_url, client_dir, f"--session={imported['id']}", f"--resume-token={imported['resume_token']}",
+                lines="/history\n/sessions\n/exit\n")
+    assert done.returncode == 0, done.stderr
+    assert not [c for c in CONTROLS if c in done.stdout + done.stderr], repr(done.stdout)
+    assert "assistant: Hi there, see this now\tand\nmore\n" in done.stdout
+    assert f"{imported['id']}  1 turns  Plain" in done.stdout
+    assert stored(server, imported["id"])["history"][1]["content"] == HOSTILE  # stored as sent: only printing strips
+
+
+def test_resume_tokens_are_bound_to_their_server_and_the_folder_to_0700(server: LiveServer, client_dir: Path) -> None:
+    """`--session ID --url OTHER` finds no token of another server and connects nowhere; a token stored for
+    OTHER is the one sent there, and the first server's session frames leave it alone."""
+    (client_dir / "chat").mkdir(parents=True, mode=0o777)
+    os.chmod(client_dir / "chat", 0o777)
+    first = chat(server.ws_url, client_dir, lines="/exit\n")
+    assert first.returncode == 0, first.stderr
+    assert (client_dir / "chat").stat().st_mode & 0o777 == 0o700
+    session_id = session_of(first.stdout)
+    proxy = TcpProxy(int(server.base_url.rsplit(":", 1)[1]))  # the same server under another URL
+    try:
+        other = f"ws://127.0.0.1:{proxy.port}/v1/ws"
+        elsewhere = chat(other, client_dir, f"--session={session_id}", lines="/exit\n")
+        assert elsewhere.returncode == 2 and "--resume-token" in elsewhere.stderr and proxy.accepted == 0
+        tokens = client_dir / "chat" / "sessions.json"
+        store = json.loads(tokens.read_text())
+        store["servers"][other] = {session_id: "a-token-of-the-other-server"}
+        tokens.write_text(json.dumps(store))
+        os.chmod(client_dir / "chat", 0o777)  # loosened again: the next run writes no token, and still fixes it
+        again = chat(server.ws_url, client_dir, f"--session={session_id}", lines="/exit\n")
+        assert again.returncode == 0 and session_of(again.stdout) == session_id, again.stderr
+        assert (client_dir / "chat").stat().st_mode & 0o777 == 0o700
+        assert stored_token(client_dir, session_id, other) == "a-token-of-the-other-server"
+        sent_there = chat(other, client_dir, f"--session={session_id}", lines="/exit\n")
+        assert sent_there.returncode == 2 and "resume token" in sent_there.stderr and proxy.accepted == 1
+    finally:
+        proxy.close()
+
+
+def test_a_frame_over_the_clients_bound_ends_the_chat_in_one_line() -> None:
+    """A server whose `session` frame is bigger than the client reads: one line, no reconnect loop."""
+    from websockets.asyncio.server import serve
+
+    from chatcore.chat.connection import MAX_FRAME_BYTES, Connection
+    from chatcore.chat.errors import ChatError
+
+    async def answer(ws) -> None:  # noqa: ANN001
+        await ws.recv()
+        await ws.send(json.dumps({"type": "session", "pad": "x" * MAX_FRAME_BYTES}))
+
+    async def run() -> str:
+        async with serve(answer, "127.0.0.1", 0, max_size=None) as listener:
+            port = listener.sockets[0].getsockname()[1]
+            with pytest.raises(ChatError) as refused:
+                await Connection(f"ws://127.0.0.1:{port}/v1/ws", None, print).open(None, None, None)
+            return str(refused.value)
+
+    message = asyncio.run(run())
+    assert f"over {MAX_FRAME_BYTES} bytes" in message and "\n" not in message

@@ -135,6 +135,8 @@ def test_lay_out_refuses(qtype: str, raw: torch.Tensor, shape: tuple[int, int], 
     (torch.randn(2, IN - 32), None, r"rows of 160 features.*\(2, 128\)"),
     (torch.randn(2, IN, device="meta"), None, "on meta"),
     (torch.randn(2, IN), torch.randn(OUT + 1), r"bias must be \[37\]"),
+    (torch.randn(0, IN), None, r"at least one row, not \(0, 160\)"),
+    (torch.randn(3, 0, IN), None, r"at least one row, not \(3, 0, 160\)"),
 ])
 def test_linear_refuses_bad_rows_and_bias(x: torch.Tensor, bias: torch.Tensor | None, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -151,6 +153,16 @@ def test_a_weight_not_laid_out_is_refused_before_any_c_runs() -> None:
             cpu_quant.linear(torch.randn(1, IN), bad)
         with pytest.raises(ValueError):
             cpu_quant.dequantize(bad)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("out_features", [0, -8])
+def test_a_weight_without_output_rows_is_refused_on_every_path(path: str, out_features: int) -> None:
+    empty = cpu_quant.QuantWeight("Q8_0", out_features, IN, torch.empty(0, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=f"out_features >= 1, not {out_features}"):
+        cpu_quant._linear(torch.randn(1, IN), empty, None, path)
+    with pytest.raises(ValueError, match="out_features >= 1"):
+        cpu_quant.dequantize(empty)
 
 
 def test_a_path_this_cpu_lacks_is_refused() -> None:

@@ -111,6 +111,36 @@ async def test_a_schema_that_cannot_be_used_is_a_400(client, response_format, me
     assert message in refused.value.response.json()["error"]["message"]
 
 
+# Compiles, and allows a first token (`[`), but every item refers only to itself: nothing can follow.
+DEAD_END = {"type": "json_schema", "json_schema": {"name": "loop", "schema": {
+    "type": "array", "items": {"allOf": [{"$ref": "#/items"}]}, "minItems": 1}}}
+
+
+async def test_a_schema_that_dead_ends_after_its_first_token_is_a_client_error(client, server) -> None:
+    """Refused as the client's (400 `bad_request` naming the schema), plain, streamed and on a socket; never
+    500 `internal`."""
+    messages = [{"role": "user", "content": "A list, please."}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(model="chatcore", messages=messages, max_tokens=8,
+                                             response_format=DEAD_END)
+    error = refused.value.response.json()["error"]
+    assert error["code"] == "bad_request" and "schema allows no output to be completed" in error["message"]
+    stream = await client.chat.completions.create(model="chatcore", messages=messages, max_tokens=8,
+                                                  response_format=DEAD_END, stream=True)
+    with pytest.raises(openai.APIError) as failed:
+        async for _ in stream:
+            pass
+    assert "schema allows no output to be completed" in str(failed.value) and "internal" not in str(failed.value)
+    async with server.connect() as ws:
+        await hello(ws)
+        await ws.send(json.dumps({"type": "user", "id": "loop", "content": "A list, please.",
+                                  "params": {"max_tokens": 8, "response_format": DEAD_END}}))
+        frames = await recv_until(ws, "done")
+        errors = [f for f in frames if f["type"] == "error"]
+        assert frames[-1]["finish_reason"] == "error" and len(errors) == 1, frames
+        assert errors[0]["code"] == "bad_request" and "schema allows no output" in errors[0]["message"], frames
+
+
 async def test_response_format_as_a_websocket_param(server) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
     async with server.connect() as ws:

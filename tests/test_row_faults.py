@@ -84,19 +84,20 @@ def break_penalties(core: EngineCore, req: Request) -> None:
     core._penalties._requests.clear()  # its shaping tensors gone: the batch of choices raises
 
 
-CASES = {  # place: (the culprit, the fault injected once it decodes, what its error names)
-    "draw": (zero_repetition_penalty, None, "not a distribution"),
-    "mask allows nothing": (empty_grammar, None, "allows no next token"),
-    "mask raises": (json_object, break_matcher, "the matcher exploded"),
-    "choices": (presence_penalty, break_penalties, "sampling failed"),
-    "detokenizing": (presence_penalty, break_detokenizer, "the detokenizer exploded"),
-    "stop check": (presence_penalty, break_stop_check, "choosing its token failed"),
+CASES = {  # place: (the culprit, the fault injected once it decodes, what its error names, its code)
+    "draw": (zero_repetition_penalty, None, "not a distribution", ErrorCode.INTERNAL),
+    # the client's schema at a dead end: its fault, not the server's
+    "mask allows nothing": (empty_grammar, None, "allows no next token", ErrorCode.BAD_REQUEST),
+    "mask raises": (json_object, break_matcher, "the matcher exploded", ErrorCode.INTERNAL),
+    "choices": (presence_penalty, break_penalties, "sampling failed", ErrorCode.INTERNAL),
+    "detokenizing": (presence_penalty, break_detokenizer, "the detokenizer exploded", ErrorCode.INTERNAL),
+    "stop check": (presence_penalty, break_stop_check, "choosing its token failed", ErrorCode.INTERNAL),
 }
 
 
 @pytest.mark.parametrize("place", list(CASES))
 def test_a_fault_in_one_requests_rows_fails_it_alone(make_core, place: str) -> None:
-    make_culprit, inject, names = CASES[place]
+    make_culprit, inject, names, code = CASES[place]
     alone = make_core()
     alone.add(victim(alone))
     expected = run_to_end(alone)
@@ -113,7 +114,7 @@ def test_a_fault_in_one_requests_rows_fails_it_alone(make_core, place: str) -> N
             inject = None
         finals.update({out.request_id: out for out in core.step() if out.finished})
     failed, intact = finals[bad.request_id], finals[good.request_id]
-    assert failed.error_code is ErrorCode.INTERNAL and names in (failed.error or ""), failed.error
+    assert failed.error_code is code and names in (failed.error or ""), failed.error
     assert failed.outputs[0].finish_reason is FinishReason.ERROR
     assert intact.error is None
     assert intact.outputs[0].finish_reason is FinishReason.LENGTH
@@ -137,7 +138,8 @@ def test_a_matcher_that_raises_in_a_batch_leaves_the_other_rows_masked(make_core
     core.grammars.admit(bad, fmt)
     core.grammars._matchers[bad] = Exploding("the matcher")
     fill = core.grammars.masks({"t": [(good, 0), (bad, 1)]}, 2, threads=2)
-    assert list(fill.failed) == [bad] and "the matcher exploded" in fill.failed[bad]
+    assert list(fill.failed) == [bad] and "the matcher exploded" in fill.failed[bad][1]
+    assert fill.failed[bad][0] == "internal"
     allowed = xgrammar.allocate_token_bitmask(1, core.vocab_size)
     xgrammar.GrammarMatcher(core.grammar_compiler.compile(fmt)).fill_next_token_bitmask(allowed, 0)
     assert fill.bitmask[0].equal(allowed[0])

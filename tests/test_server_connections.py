@@ -34,7 +34,8 @@ def guarded(tmp_path_factory):
     data.mkdir()
     cli = types.SimpleNamespace(env={**os.environ, "CHATCORE_DATA_DIR": str(data)})
     key = create_key(cli, "alpha")
-    server = start_server(data, max_connections=MAX_CONNECTIONS, header_timeout_s=HEADER_TIMEOUT_S,
+    server = start_server(data, max_connections=MAX_CONNECTIONS, max_connections_per_tenant=MAX_CONNECTIONS,
+                          header_timeout_s=HEADER_TIMEOUT_S,
                           body_timeout_s=BODY_TIMEOUT_S,
                           max_unauthenticated_sockets_per_address=PENDING_PER_ADDRESS,
                           max_history_reads_per_minute=READS_PER_MINUTE, history_page_messages=PAGE)

@@ -42,8 +42,10 @@ def _add_tokenizer(writer: object) -> int:
 
 
 def write_tiny_gguf(path: Path, qtypes: dict[str, str] | None = None, architecture: str = "llama",
-                    seed: int = 0) -> Path:
-    """Write the tiny model to `path`; `qtypes` overrides `QTYPES` per tensor kind (an F32 norm stays F32)."""
+                    seed: int = 0, header: dict[str, int] | None = None, weights: bool = True) -> Path:
+    """Write the tiny model to `path`; `qtypes` overrides `QTYPES` per tensor kind (an F32 norm stays F32).
+    `header` overrides what the header declares (`block_count`, `embedding_length`, `feed_forward_length`)
+    without changing the tensors; `weights=False` leaves out the embedding and every linear (norms stay)."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
@@ -51,10 +53,11 @@ def write_tiny_gguf(path: Path, qtypes: dict[str, str] | None = None, architectu
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(path, architecture)
     layers = SHAPE["num_hidden_layers"]
-    writer.add_block_count(layers)
+    declared = {"block_count": layers, "embedding_length": HIDDEN, "feed_forward_length": FFN, **(header or {})}
+    writer.add_block_count(declared["block_count"])
     writer.add_context_length(SHAPE["max_position_embeddings"])
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
+    writer.add_embedding_length(declared["embedding_length"])
+    writer.add_feed_forward_length(declared["feed_forward_length"])
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_rope_dimension_count(HEAD_DIM)
@@ -63,11 +66,12 @@ def write_tiny_gguf(path: Path, qtypes: dict[str, str] | None = None, architectu
     vocab = _add_tokenizer(writer)
 
     def add(name: str, kind: str, shape: tuple[int, int]) -> None:
-        weights = (rng.standard_normal(shape) * 0.2).astype(np.float32)
+        values = (rng.standard_normal(shape) * 0.2).astype(np.float32)
         if kind in ("attn_q", "attn_k"):
-            weights = _permute(weights, HEADS if kind == "attn_q" else KV_HEADS)
+            values = _permute(values, HEADS if kind == "attn_q" else KV_HEADS)
         qtype = GGMLQuantizationType[kinds[kind]]
-        writer.add_tensor(name, quantize(weights, qtype), raw_dtype=qtype)
+        if weights:
+            writer.add_tensor(name, quantize(values, qtype), raw_dtype=qtype)
 
     add("token_embd.weight", "token_embd", (vocab, HIDDEN))
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))

@@ -16,7 +16,7 @@ from chatcore.chat.errors import ChatError
 from chatcore.chat.lines import LineReader
 from chatcore.chat.loop import Chat
 from chatcore.chat.rest import Rest
-from chatcore.chat.terminal import Terminal
+from chatcore.chat.terminal import Terminal, printable
 from chatcore.chat.tokens import TokenStore
 
 API_KEY_ENV = "CHATCORE_API_KEY"
@@ -50,12 +50,12 @@ def chat_command(options: ChatOptions) -> int:
         options = replace(options, url=websocket_url(options.url, options.default_port))
         return asyncio.run(_chat(options, terminal))
     except ChatError as exc:
-        print(f"chatcore chat: {exc}", file=sys.stderr)
+        print(f"chatcore chat: {printable(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except Exception as exc:  # a bug or a surprise: one line, never a traceback in the terminal
-        print(f"chatcore chat: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"chatcore chat: {type(exc).__name__}: {printable(str(exc))}", file=sys.stderr)
         return 1
 
 
@@ -63,10 +63,10 @@ async def _chat(options: ChatOptions, terminal: Terminal) -> int:
     tokens = TokenStore(options.data_dir)
     resume_token = options.resume_token
     if options.session and not resume_token:
-        resume_token = tokens.get(options.session)
+        resume_token = tokens.get(options.url, options.session)
         if resume_token is None:
-            raise ChatError(f"no resume token for session {options.session} in {tokens.path}; pass it with "
-                            "--resume-token", exit_code=2)
+            raise ChatError(f"no resume token for session {options.session} of {options.url} in {tokens.path}; "
+                            "pass it with --resume-token", exit_code=2)
     api_key = options.api_key or os.environ.get(API_KEY_ENV) or None
     connection = Connection(options.url, api_key, terminal.notice)
     chat = Chat(connection, Rest(options.url, api_key), tokens, terminal, LineReader(sys.stdin.fileno()),

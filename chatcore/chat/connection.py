@@ -25,6 +25,10 @@ SEQ_FRAMES = frozenset({"start", "token", "done"})
 OPEN_TIMEOUT_S = 10.0
 RECONNECT_DEADLINE_S = 180.0  # a restarting server loads its model and warms up before it listens
 RETRY_S = (0.1, 0.2, 0.5, 1.0)  # then every second
+# The largest frame accepted from the server: a `session` frame's page of history (up to 1 Mi characters of
+# messages, as JSON) fits with room to spare. A bigger one closes the socket (1009) and ends the chat in one line.
+MAX_FRAME_BYTES = 16 << 20
+CLOSE_TOO_BIG = 1009
 
 
 class Unreachable(ChatError):
@@ -64,7 +68,8 @@ class Connection:
         while True:
             try:
                 frame = json.loads(await self._socket().recv())
-            except (ConnectionClosed, OSError):
+            except (ConnectionClosed, OSError) as exc:
+                _raise_if_too_big(exc, self.url)
                 return await self.reconnect()
             if frame.get("type") in SEQ_FRAMES and isinstance(frame.get("seq"), int):
                 if self.last_seq is not None and frame["seq"] <= self.last_seq:
@@ -121,7 +126,8 @@ class Connection:
     async def _connect(self) -> ClientConnection:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         try:
-            return await connect(self.url, additional_headers=headers, max_size=None, open_timeout=OPEN_TIMEOUT_S)
+            return await connect(self.url, additional_headers=headers, max_size=MAX_FRAME_BYTES,
+                                 open_timeout=OPEN_TIMEOUT_S)
         except InvalidURI:
             raise ChatError(f"{self.url} is not a WebSocket URL", exit_code=2) from None
         except InvalidStatus as exc:
@@ -139,7 +145,11 @@ class Connection:
         self._ws = ws
         await ws.send(json.dumps({"type": "hello", "session_id": session_id, "resume_token": resume_token,
                                   "last_seq": last_seq, "system_prompt": system_prompt, "title": None}))
-        frame = json.loads(await ws.recv())
+        try:
+            frame = json.loads(await ws.recv())
+        except ConnectionClosed as exc:
+            _raise_if_too_big(exc, self.url)
+            raise
         if frame.get("type") == "error":
             self._ws = None
             await ws.close()
@@ -149,6 +159,13 @@ class Connection:
             raise ChatError(f"the server answered hello with {frame.get('type')!r}, not a session frame")
         self.session_id, self.resume_token = frame["session_id"], frame["resume_token"]
         return frame
+
+
+def _raise_if_too_big(exc: BaseException, url: str) -> None:
+    """A socket this client closed because the server's frame passed `MAX_FRAME_BYTES`: no reconnect (the
+    server would send it again), one line."""
+    if isinstance(exc, ConnectionClosed) and exc.sent is not None and exc.sent.code == CLOSE_TOO_BIG:
+        raise ChatError(f"{url} sent a frame over {MAX_FRAME_BYTES} bytes, the most this client reads") from None
 
 
 def _raise_fatal(frame: Frame, session_id: str | None) -> None:

@@ -43,7 +43,7 @@ class Chat:
 
     async def open(self, session_id: str | None = None, resume_token: str | None = None) -> None:
         frame = await self.connection.open(session_id, resume_token, None if session_id else self.system_prompt)
-        self.tokens.put(frame["session_id"], frame["resume_token"], self.connection.url)
+        self.tokens.put(self.connection.url, frame["session_id"], frame["resume_token"])
         self.known_messages = frame["history_start"] + len(frame["history"])
         self.terminal.line(f"session: {frame['session_id']}")
 

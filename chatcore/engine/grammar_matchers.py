@@ -12,7 +12,9 @@ Invariants:
 - a step's masks are filled by one batch call per tenant (xgrammar fills them in C++, on the
   engine's threads), timed for the tenant's account (chatcore/engine/mask_budget.py). A row whose
   matcher raises, or whose mask allows no token at all, is reported (`MaskFill.failed`) for its
-  request to fail alone; the other rows are masked as usual;
+  request to fail alone; the other rows are masked as usual. A mask that allows no token is the
+  client's schema at a dead end (a grammar that allowed a first token was compiled, but no output
+  completes it): `bad_request`; a matcher that raises is `internal`;
 - a matcher lives exactly as long as its sequence (`admit`/`fork`, `release`).
 """
 
@@ -27,16 +29,21 @@ import xgrammar
 
 from chatcore.engine.errors import describe_failure
 from chatcore.engine.grammar import ResponseFormat
+from chatcore.outcomes import ErrorCode
+
+DEAD_END = ("the response_format schema allows no output to be completed: after the tokens generated so far "
+            "its grammar allows no next token (a schema that refers only to itself, or whose constraints "
+            "contradict, does this)")
 
 
 @dataclass(slots=True)
 class MaskFill:
     """A step's masks: the host bitmask [rows, vocab / 32] (rows not filled allow every token), each
-    owner's fill time in ms, and why each failed sequence has no mask."""
+    owner's fill time in ms, and why each failed sequence has no mask (its error code and message)."""
 
     bitmask: torch.Tensor
     took_ms: dict[str, float]
-    failed: dict[object, str]
+    failed: dict[object, tuple[ErrorCode, str]]
 
 
 class GrammarMatchers:
@@ -84,13 +91,14 @@ class GrammarMatchers:
                     try:
                         self._matchers[seq].fill_next_token_bitmask(bitmask, row)
                     except Exception as exc:
-                        fill.failed[seq] = f"the response_format grammar failed: {describe_failure(exc)}"
+                        fill.failed[seq] = (ErrorCode.INTERNAL,
+                                            f"the response_format grammar failed: {describe_failure(exc)}")
             fill.took_ms[owner] = 1000 * (time.perf_counter() - start)
         pairs = [pair for rows in groups.values() for pair in rows]
         allows = bitmask[[row for _, row in pairs]].any(dim=1).tolist()  # one host op for every row
         for (seq, _), allowed in zip(pairs, allows, strict=True):
             if seq not in fill.failed and not allowed:
-                fill.failed[seq] = "the response_format grammar allows no next token: the output cannot be completed"
+                fill.failed[seq] = (ErrorCode.BAD_REQUEST, DEAD_END)
         return fill
 
     def _batcher(self, threads: int) -> xgrammar.BatchGrammarMatcher:

@@ -36,8 +36,8 @@ class RowFaults:
             self.fail(req, f"{what} failed: {describe_failure(exc)}")
             return None
 
-    def fail(self, req: Request, message: str) -> None:
-        """Fail `req` alone (its first failure's message stands)."""
+    def fail(self, req: Request, message: str, code: ErrorCode = ErrorCode.INTERNAL) -> None:
+        """Fail `req` alone with `code` (`internal` unless the fault is the client's; its first failure stands)."""
         if req.error is None:
-            req.fail(ErrorCode.INTERNAL, message, FinishReason.ERROR)
+            req.fail(code, message, FinishReason.ERROR)
             self.failed.append(req)

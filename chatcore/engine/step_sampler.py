@@ -142,7 +142,8 @@ class StepSampler:
             self.mask_budget.charge(tenant, fill.took_ms[tenant], [seq for seq, _ in pairs])
         for req, seq, _ in plain:
             if seq in fill.failed:
-                faults.fail(req, fill.failed[seq])
+                code, message = fill.failed[seq]
+                faults.fail(req, message, code)
         masked = sorted({row for pairs in groups.values() for seq, row in pairs if seq not in fill.failed})
         if masked:
             self.grammars.apply(logits, self.transfers.upload_bitmask(fill.bitmask), masked)

@@ -79,6 +79,12 @@ def conversion_lock(folder: Path) -> Iterator[None]:
         yield
 
 
+def is_model_name(name: str) -> bool:
+    """Whether `name` can name a model folder in the cache: not empty, `.` or `..`, not hidden (a leading dot:
+    the cache's own staging folders and lock file start with one), and no path separator or NUL."""
+    return bool(name) and not name.startswith(".") and not any(c in name for c in "/\\\0")
+
+
 def provision(target: Path, convert: Callable[[Path], None]) -> bool:
     """Ensure the complete model folder `target` exists; returns whether this call made it.
 
@@ -87,9 +93,12 @@ def provision(target: Path, convert: Callable[[Path], None]) -> bool:
     `conversion_lock`, so concurrent callers (replicas starting together on one cache directory)
     convert once: the others wait for the lock, then find the model complete. Whatever a crashed
     holder left (a staging folder, or a `target` without its marker) is removed by the next one.
+    Nothing else is ever removed: `target` must be a model name's folder (`is_model_name`), not a link.
     """
     if is_converted(target):
         return False
+    if not is_model_name(target.name) or target.is_symlink():
+        raise ValueError(f"{target} is not a model folder this cache may write (a bad name, or a link)")
     with conversion_lock(target.parent):
         if is_converted(target):  # converted by another process while this one waited
             return False

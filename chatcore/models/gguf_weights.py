@@ -14,7 +14,8 @@ on the dequantized rows (`LlamaTensorProcessor._reverse_permute_weights`), and `
 the same row order to the raw block rows, which are independent of one another.
 
 **Refused, in one line** (`UnsupportedGGUF`), before the model is served: a file GGUFReader cannot
-parse (truncated, a corrupt header); an architecture outside `ARCHITECTURES`; a linear's tensor in a
+parse (truncated, a corrupt header), or whose header's sizes its tensors or the memory do not bear out
+(`gguf_check`); an architecture outside `ARCHITECTURES`; a linear's tensor in a
 quantized type outside `cpu_quant.QTYPES` (say Q6_K); a tensor whose shape is not the linear's. Every
 block is laid out before `load_model` returns, so a model is served whole or not at all.
 """
@@ -30,16 +31,12 @@ import numpy as np
 import torch
 
 from chatcore.kernels import cpu_quant
-from chatcore.models.errors import ModelUnavailable
+from chatcore.models.gguf_check import UnsupportedGGUF, architecture, check_declared, read_gguf
 
 ARCHITECTURES = ("llama",)  # GGUF's `general.architecture` values whose blocks are served
 _PERMUTED = {"llama": ("attn_q", "attn_k")}  # row-permuted projections, by GGUF architecture
 UNQUANTIZED = frozenset({"F32", "F16", "BF16", "F64"})
 FINGERPRINT_HEAD_BYTES = 1 << 20
-
-
-class UnsupportedGGUF(ModelUnavailable):
-    """A GGUF file whose blocks cannot be served; the message names what is unsupported and what is."""
 
 
 class QuantLinear(torch.nn.Module):
@@ -60,19 +57,14 @@ class QuantLinear(torch.nn.Module):
 
 
 def open_gguf(path: Path) -> Any:
-    """The file's `GGUFReader` (memory-mapped), parsed whole (a truncated file fails here) and its
-    architecture checked."""
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(path)
-        arch = architecture(reader)
-    except Exception as exc:  # GGUFReader's parse fails in many ways on a bad file: all one line
-        why = str(exc).splitlines()[0][:160] if str(exc) else ""
-        raise UnsupportedGGUF(f"GGUF file {path} is truncated or corrupt ({type(exc).__name__}: {why})") from None
+    """The file's `GGUFReader` (memory-mapped), parsed whole, its architecture and its header's sizes
+    checked (`gguf_check`)."""
+    reader = read_gguf(path)
+    arch = architecture(reader)
     if arch not in ARCHITECTURES:
         raise UnsupportedGGUF(f"GGUF file {path}: architecture {arch} is not supported "
                               f"(supported: {', '.join(ARCHITECTURES)})")
+    check_declared(reader, path)
     return reader
 
 
@@ -83,11 +75,6 @@ def check_quantization(reader: Any, path: Path) -> None:
         if qtype not in UNQUANTIZED and qtype not in cpu_quant.QTYPES:
             raise UnsupportedGGUF(f"GGUF file {path}: {tensor.name} is {qtype}, a quantization type not supported "
                                   f"(supported: {', '.join(sorted(cpu_quant.QTYPES))}; unquantized F32/F16/BF16)")
-
-
-def architecture(reader: Any) -> str:
-    field = reader.fields["general.architecture"]
-    return bytes(field.parts[field.data[0]]).decode()
 
 
 def _linear_tensors(reader: Any) -> dict[str, Any]:

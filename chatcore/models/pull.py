@@ -3,7 +3,9 @@
 Each lands in `<cache_dir>/models/NAME` through `fetch.provision` (a staging folder renamed into
 place under the cache's lock), so a failed or interrupted pull leaves nothing half written: a hub
 id `ORG/NAME` as `ORG--NAME`, a folder under its own name, a `.gguf` file converted to safetensors
-under its stem.
+under its stem. A name that is no model name (`fetch.is_model_name`: `.`, `..`, empty, hidden, a
+separator), or a link where the folder would go, is refused before anything is written or removed. A
+GGUF file is read and its header checked (`gguf_check`) before it is converted.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from pathlib import Path
 
 from chatcore.models.catalog import models_dir
 from chatcore.models.errors import ModelNotFound
-from chatcore.models.fetch import convert_gguf, provision
+from chatcore.models.fetch import convert_gguf, is_model_name, provision
+from chatcore.models.gguf_check import check_declared, read_gguf
 from chatcore.models.hub import DOWNLOAD_PATTERNS, is_hub_id
 
 
@@ -24,7 +27,7 @@ def pull(cache_dir: Path, source: str) -> tuple[Path, bool]:
     if local.is_file():
         if local.suffix.lower() != ".gguf":
             raise ModelNotFound(f"{local}: a file to pull must be a .gguf file")
-        return _provision(cache_dir, local.stem, lambda staging: convert_gguf(local.resolve(), staging))
+        return _provision(cache_dir, local.stem, lambda staging: _convert(local.resolve(), staging))
     if local.is_dir():
         if not (local / "config.json").is_file():
             raise ModelNotFound(f"{local}: not a Hugging Face model folder (no config.json)")
@@ -35,8 +38,25 @@ def pull(cache_dir: Path, source: str) -> tuple[Path, bool]:
 
 
 def _provision(cache_dir: Path, name: str, write: Callable[[Path], None]) -> tuple[Path, bool]:
+    if not is_model_name(name):
+        raise ModelNotFound(f"{name!r} cannot name a model folder (empty, '.' or '..', a leading dot or a path "
+                            "separator); rename the source")
     target = models_dir(cache_dir) / name
+    if target.is_symlink():
+        raise ModelNotFound(f"{target} is a symbolic link; pull writes only folders of its own (remove the link)")
     return target, provision(target, write)
+
+
+def _convert(gguf: Path, staging: Path) -> None:
+    """The GGUF file checked (`gguf_check`: one line for a malformed or lying one), then converted; a
+    failure of the conversion itself is one line too."""
+    check_declared(read_gguf(gguf), gguf)
+    try:
+        convert_gguf(gguf, staging)
+    except Exception as exc:  # transformers' GGUF loader fails in many ways on a file it cannot take
+        why = str(exc).splitlines()[0][:160] if str(exc) else ""
+        raise ModelNotFound(f"{gguf}: transformers cannot convert this GGUF file ({type(exc).__name__}: {why})") \
+            from None
 
 
 def _copy(folder: Path, staging: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 from litestar import Litestar, MediaType, Request, Response, Router, get
 from litestar.config.cors import CORSConfig
@@ -28,7 +28,12 @@ from chatcore.server import (
 )
 from chatcore.server.auth import Authenticator, RevocationWatch, host_allowed
 from chatcore.server.body_decoding import NUL, StrictRequest
-from chatcore.server.connections import PendingSockets
+from chatcore.server.connections import (
+    PendingSockets,
+    TenantConnections,
+    release_after_request,
+    take_for_request,
+)
 from chatcore.server.deps import DEPENDENCIES
 from chatcore.server.errors import ApiError, error_handler, error_response, forbidden
 from chatcore.server.openapi_schema import StructBodySchemaPlugin
@@ -47,8 +52,11 @@ async def index() -> Response[bytes]:
 
 
 async def _require_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    """A guard: the caller's key, as on every route docs/protocol.md does not list as open."""
-    await connection.app.state.auth.principal(connection)
+    """A guard: the caller's key, as on every route docs/protocol.md does not list as open; then the request
+    counts against its tenant's connections (`max_connections_per_tenant`) until its response is sent."""
+    principal = await connection.app.state.auth.principal(connection)
+    take_for_request(cast("dict[str, Any]", connection.scope), connection.app.state.tenant_connections,
+                     principal.tenant_id)
 
 
 def _nul_in_target(request: Request[Any, Any, Any]) -> Response[Any] | None:
@@ -103,6 +111,7 @@ def _lifespan(settings: Settings, loaded: LoadedModel | None,
         app.state.gauges = ops_routes.GaugeRefresher(services)
         app.state.revocations = RevocationWatch(services)
         app.state.pending_sockets = PendingSockets(settings.max_unauthenticated_sockets_per_address)
+        app.state.tenant_connections = TenantConnections(settings.resolved_max_connections_per_tenant)
         try:  # whatever fails from here on, the services stop (leases released, engine joined)
             await app.state.gauges.start()
             app.state.revocations.start()
@@ -121,7 +130,7 @@ def _route_handlers() -> list[ControllerRouterHandler]:
         create_static_files_router("/static", directories=[WEB_DIR], include_in_schema=False),
         chat_socket,  # authenticates after the upgrade, to answer with an error frame
         # The key is checked by a guard, before a body is read or validated.
-        Router("/", guards=[_require_key], route_handlers=[
+        Router("/", guards=[_require_key], middleware=[release_after_request], route_handlers=[
             openai_routes.chat_completions,
             completions_routes.completions,
             openai_routes.list_models,
@@ -160,7 +169,8 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None,
         logging_config=None,  # `chatcore serve` configures logging (chatcore.logs), text or JSON
         exception_handlers=EXCEPTION_HANDLERS,
         openapi_config=OpenAPIConfig(title="chatcore", version="0.1.0",
-                                     openapi_router=Router("/schema", route_handlers=[], guards=[_require_key])),
+                                     openapi_router=Router("/schema", route_handlers=[], guards=[_require_key],
+                                                           middleware=[release_after_request])),
         request_max_body_size=settings.max_frame_bytes * 16,
         debug=False,
     )

@@ -5,6 +5,7 @@ refuse them by name with `unsupported_parameter`, unless they ask for nothing.""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -19,8 +20,18 @@ MAX_LEGACY_LOGPROBS = 5
 MAX_TOOLS = 64
 
 Title = Annotated[str, Meta(max_length=MAX_TITLE)]
+# A title is shown in terminals and lists: no control character (an escape sequence would run in a terminal
+# that prints it). NUL has its own refusal (`body_decoding.nul_error`), as in every other text.
+TITLE_CONTROLS = re.compile(r"[\x01-\x1f\x7f-\x9f]")
 SystemPrompt = Annotated[str, Meta(max_length=MAX_SYSTEM_PROMPT)]
 Role = Literal["system", "user", "assistant", "developer", "tool"]
+
+
+def check_title(title: str | None) -> None:
+    """Refuse a title holding a control character (a `__post_init__` check: msgspec reports it as a
+    validation error, so the client gets `bad_request`)."""
+    if title is not None and TITLE_CONTROLS.search(title):
+        raise ValueError("title must not contain control characters (U+0001 to U+001F, U+007F to U+009F)")
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -88,9 +99,15 @@ class NewSession(msgspec.Struct, forbid_unknown_fields=True):
     title: Title | None = None
     system_prompt: SystemPrompt | None = None
 
+    def __post_init__(self) -> None:
+        check_title(self.title)
+
 
 class Rename(msgspec.Struct, forbid_unknown_fields=True):
     title: Title
+
+    def __post_init__(self) -> None:
+        check_title(self.title)
 
 
 class Branch(msgspec.Struct, forbid_unknown_fields=True):
@@ -108,3 +125,6 @@ class ImportSession(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     title: Title | None = None
     system_prompt: SystemPrompt | None = None
     messages: Annotated[list[ImportedMessage], Meta(min_length=2, max_length=MAX_IMPORT_MESSAGES)]
+
+    def __post_init__(self) -> None:
+        check_title(self.title)

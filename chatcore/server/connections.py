@@ -10,6 +10,12 @@
   whether or not its handler reads the body; a response already begun is cut off instead. Without it a
   client could hold a connection (and, at `max_connections`, the whole server) with a body that never
   ends. A WebSocket upgrade has no body and is not timed.
+- `max_connections_per_tenant` (`TenantConnections`): what one tenant holds open once it has said who it is,
+  its authenticated WebSockets and its HTTP requests in flight (a streamed answer until its last chunk),
+  at most; by default half of `max_connections`, so one tenant can never hold them all and shut the
+  others out. Past it a request gets `busy` (429) and a socket an error frame and a close.
+- `socket_idle_timeout_s` (`chatcore.server.ws`): a WebSocket that sent no frame (a `ping` counts) and ran no
+  turn for this long is closed (4408): an idle socket does not hold a connection forever.
 - `max_unauthenticated_sockets_per_address`: WebSockets from one address waiting for their `auth`
   frame (`PendingSockets`, used by `chatcore.server.ws`). A socket whose upgrade carries a key, or any
   socket in open mode, is authenticated at once and never waits there.
@@ -22,7 +28,7 @@ import logging
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
@@ -32,6 +38,7 @@ from chatcore.outcomes import ErrorCode
 from chatcore.server.errors import ApiError
 
 if TYPE_CHECKING:
+    from litestar.types import ASGIApp, Receive, Scope, Send
     from uvicorn._types import ASGI3Application
 
 log = logging.getLogger(__name__)
@@ -174,3 +181,50 @@ class PendingSockets:
             self._waiting[address] -= 1
             if not self._waiting[address]:
                 del self._waiting[address]
+
+
+class TenantConnections:
+    """What each tenant holds open: its authenticated WebSockets and its HTTP requests in flight, at most
+    `limit` a tenant (`max_connections_per_tenant`). `take` before serving, `give_back` exactly once after."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held: Counter[str] = Counter()
+
+    def take(self, tenant_id: str) -> None:
+        """Count one more connection of `tenant_id`; `busy` if it holds `limit` already."""
+        if self._held[tenant_id] >= self.limit:
+            raise ApiError(ErrorCode.BUSY, f"this tenant already holds {self.limit} open connections (WebSockets "
+                           "and requests in flight; max_connections_per_tenant)")
+        self._held[tenant_id] += 1
+
+    def give_back(self, tenant_id: str) -> None:
+        self._held[tenant_id] -= 1
+        if not self._held[tenant_id]:
+            del self._held[tenant_id]
+
+
+HELD_SCOPE_KEY = "chatcore.tenant_connection"  # the tenant an HTTP request's connection was counted for
+
+
+def take_for_request(scope: dict[str, Any], connections: TenantConnections, tenant_id: str) -> None:
+    """Count an HTTP request against its tenant (once, whatever guards run); `release_after_request`, the
+    middleware around the guarded routes, gives it back when the response has been sent."""
+    if HELD_SCOPE_KEY not in scope:
+        connections.take(tenant_id)
+        scope[HELD_SCOPE_KEY] = tenant_id
+
+
+def release_after_request(app: ASGIApp) -> ASGIApp:
+    """Middleware: give back the connection `take_for_request` counted, once the whole response (a stream's
+    last chunk included) has been sent or the request has failed."""
+
+    async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await app(scope, receive, send)
+        finally:
+            tenant_id = cast("dict[str, Any]", scope).pop(HELD_SCOPE_KEY, None)
+            if tenant_id is not None:
+                scope["litestar_app"].state.tenant_connections.give_back(tenant_id)
+
+    return middleware

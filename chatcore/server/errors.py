@@ -44,6 +44,7 @@ FORBIDDEN = 403  # the status of a refusal no key cures (`forbidden`)
 CLOSE_POLICY = 1008
 CLOSE_TOO_BIG = 1009
 CLOSE_CONFLICT = 4409
+CLOSE_IDLE = 4408  # no frame and no turn for socket_idle_timeout_s (as HTTP's 408)
 # How a WebSocket closes after the error frame of a code (docs/protocol.md, "Error codes"); a code not
 # listed leaves it open. Before the socket has authenticated, every refusal closes it (`ws_refusal_close`).
 WS_CLOSE: dict[ErrorCode, tuple[int, str]] = {

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from chatcore.server.bodies import SystemPrompt, Title
+from chatcore.server.bodies import SystemPrompt, Title, check_title
 from chatcore.server.errors import from_validation_error
 from chatcore.server.params import ChatSampling
 
@@ -33,6 +33,9 @@ class Hello(msgspec.Struct, tag="hello", tag_field="type", forbid_unknown_fields
     last_seq: Annotated[int, Meta(ge=0, le=MAX_SEQ)] | None = None
     system_prompt: SystemPrompt | None = None
     title: Title | None = None
+
+    def __post_init__(self) -> None:
+        check_title(self.title)
 
 
 class User(msgspec.Struct, tag="user", tag_field="type", forbid_unknown_fields=True):

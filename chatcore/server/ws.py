@@ -5,6 +5,11 @@ task, so frames are never interleaved. A running turn's frames reach the socket 
 subscription that replays what the client missed (`seq > last_seq`) and then follows live.
 When the socket goes, the turn keeps running; if nobody re-attaches within the grace
 period, it is cancelled as `disconnected`.
+
+An authenticated socket counts against its tenant's connections (`max_connections_per_tenant`,
+chatcore/server/connections.py) for its whole life, and is closed (4408) once it has received no
+frame and followed no turn for `socket_idle_timeout_s`: the idle time restarts at each frame received
+and at the end of each turn it follows.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
@@ -28,9 +34,10 @@ from chatcore.server.auth import (
     presented_key,
 )
 from chatcore.server.body_decoding import nul_error
-from chatcore.server.connections import PendingSockets
+from chatcore.server.connections import PendingSockets, TenantConnections
 from chatcore.server.errors import (
     CLOSE_CONFLICT,
+    CLOSE_IDLE,
     CLOSE_POLICY,
     CLOSE_TOO_BIG,
     ApiError,
@@ -91,6 +98,7 @@ class Connection:
         self.pump: asyncio.Task[None] | None = None
         self.closed = False
         self.history_reads = HistoryReads(services.settings.max_history_reads_per_minute)
+        self.last_activity = time.monotonic()  # the last frame received, or the end of a turn it followed
 
     # ----- output ----------------------------------------------------------------------------
     def send(self, frame: dict[str, Any]) -> None:
@@ -169,6 +177,9 @@ class Connection:
         del self.attachments()[state.id]
         self.services.turns.arm_grace(state)
 
+    def turn_running(self) -> bool:
+        return self.state is not None and self.state.turn_running
+
     def stop_pump(self) -> None:
         if self.pump is not None:
             self.pump.cancel()
@@ -188,6 +199,7 @@ class Connection:
                     frame = await queue.get()
                     self.send(frame)
                     if frame.get("type") == "done":
+                        self.last_activity = time.monotonic()  # the idle time starts when the turn ends
                         return
             finally:
                 frames.unsubscribe(queue)
@@ -302,8 +314,11 @@ async def chat_socket(socket: WebSocket, services: Services) -> None:
         await socket.close(code=CLOSE_POLICY, reason="origin or host not allowed")
         return
     await socket.accept()
+    held: TenantConnections = socket.app.state.tenant_connections
     try:
         principal = await _authenticate(socket, auth, settings.max_frame_bytes, socket.app.state.pending_sockets)
+        if principal is not None:
+            held.take(principal.tenant_id)
     except ApiError as exc:
         await socket.send_data(json.dumps(exc.frame()), mode="text")
         code, reason = ws_refusal_close(exc.code)
@@ -311,20 +326,24 @@ async def chat_socket(socket: WebSocket, services: Services) -> None:
         return
     if principal is None:  # gone before it said who it is
         return
-    conn = Connection(socket, services, principal)
+    try:
+        await _serve(Connection(socket, services, principal))
+    finally:
+        held.give_back(principal.tenant_id)
+
+
+async def _serve(conn: Connection) -> None:
+    """The socket's frames, one at a time, until it closes, idles out, or its sender ends."""
+    socket, settings, principal = conn.socket, conn.services.settings, conn.principal
     sender = asyncio.create_task(conn.sender())
     revocations: RevocationWatch = socket.app.state.revocations
     watched = revocations.register(principal.key_id, conn.revoked) if principal.key_id else None
     try:
         while not conn.closed:
-            receiver = asyncio.ensure_future(socket.receive())
-            done, _ = await asyncio.wait({receiver, sender}, return_when=asyncio.FIRST_COMPLETED)
-            if receiver not in done:
-                receiver.cancel()
+            message = await _next_message(conn, sender, settings.socket_idle_timeout_s)
+            if message is None or message["type"] == "websocket.disconnect":
                 break
-            message = receiver.result()
-            if message["type"] == "websocket.disconnect":
-                break
+            conn.last_activity = time.monotonic()
             await _on_message(conn, message, settings.max_frame_bytes)
     except Exception:
         log.exception("websocket handler failed")
@@ -338,6 +357,25 @@ async def chat_socket(socket: WebSocket, services: Services) -> None:
         await asyncio.wait({sender}, timeout=CLOSE_WAIT_S)  # a client that reads nothing blocks it
         sender.cancel()
         await asyncio.gather(sender, return_exceptions=True)
+
+
+async def _next_message(conn: Connection, sender: asyncio.Task[None], idle_s: float) -> dict[str, Any] | None:
+    """The socket's next message; None when the sender ended, or when the socket has been idle (no frame
+    received, no turn running) for `idle_s`: it is then closed (4408) with a reason naming the setting."""
+    receiver = asyncio.ensure_future(conn.socket.receive())
+    while True:
+        left = conn.last_activity + idle_s - time.monotonic()
+        if left <= 0 and not conn.turn_running():
+            receiver.cancel()
+            conn.close(CLOSE_IDLE, f"idle for {idle_s:g} s: no frame and no turn (socket_idle_timeout_s)")
+            return None
+        done, _ = await asyncio.wait({receiver, sender}, timeout=left if left > 0 else idle_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if receiver in done:
+            return receiver.result()
+        if sender in done:
+            receiver.cancel()
+            return None
 
 
 async def _authenticate(socket: WebSocket, auth: Authenticator, max_bytes: int,

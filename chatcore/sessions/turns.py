@@ -272,7 +272,8 @@ class TurnRunner:
         try:
             await self.residency.settle(state, final.pinned_hashes if final is not None else [], saved=saved)
         finally:
-            self._notify(frames, reason, error, stats, window.window_start)
+            said = final.error if final is not None and error == ErrorCode.BAD_REQUEST else None
+            self._notify(frames, reason, error, stats, window.window_start, said)
 
     @staticmethod
     def _classify(state: SessionState, final: RequestOutput | None,
@@ -313,9 +314,12 @@ class TurnRunner:
 
     @staticmethod
     def _notify(frames: TurnFrames, reason: FinishReason, error: ErrorCode | None, stats: TurnStats,
-                truncated: int) -> None:
-        """The turn's last frames: `error` if it failed, then always `done`."""
-        if error is not None:
+                truncated: int, said: str | None) -> None:
+        """The turn's last frames: `error` if it failed, then always `done`. A failure that is the client's
+        (`bad_request`: its schema dead-ended) keeps the engine's message `said`; any other is `internal`."""
+        if said is not None:
+            frames.emit_error(ErrorCode.BAD_REQUEST, said)
+        elif error is not None:
             code = error if error in (ErrorCode.BUSY, ErrorCode.CONFLICT) else ErrorCode.INTERNAL
             frames.emit_error(code, "no capacity right now, try again" if code == ErrorCode.BUSY else "the turn failed")
         frames.emit(done_frame(reason, stats, truncated))
