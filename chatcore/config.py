@@ -58,6 +58,10 @@ class Settings(BaseSettings):
         "as full; full: the linears in the model's dtype (a GGUF dequantized); int8: the decoder "
         "layers' linears as int8 weights (torchao, AWQ scales found at load; CPU only), the LM head and the rest "
         "in the model's dtype")
+    quant_isa: Literal["auto", "avx512vnni", "avx2int8", "avx512bf16", "avx512f", "avx2", "reference"] = Field(
+        "auto", description="with a GGUF's blocks: the few-row products' path; auto: the best this CPU runs "
+        "(integer dot products: avx512vnni, else avx2int8), or a lower one forced (float: avx512bf16, avx512f, avx2; "
+        "reference: torch); a path this CPU lacks is refused at load (docs/kernels.md)")
     threads: int = Field(0, description="torch threads; 0 keeps torch's default")
     cuda_graphs: bool = Field(True, description="on CUDA: capture the decode step as CUDA graphs at start, one per "
                               "batch size up to max_num_seqs (prefill runs eagerly)")

@@ -1,6 +1,6 @@
 """kernels/cpu_quant: linears and dequantization on GGUF's own Q4_0 / Q4_1 / Q8_0 blocks.
 
-Every C path this CPU runs (AVX512-BF16, AVX-512F, AVX2) and the torch reference, for every type,
+Every float C path this CPU runs (AVX512-BF16, AVX-512F, AVX2) and the torch reference, for every type,
 at few and many rows, in float32 and bfloat16, against `dequantize` + a float32 matmul; `dequantize`
 against the gguf package's own; outputs independent of the thread count; refusals; the run-time
 choice against /proc/cpuinfo; and the file built for an AVX2-only target, whose AVX2 path runs here.
@@ -21,7 +21,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from chatcore.kernels import cpu_quant, native
 
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
-PATHS = (*cpu_quant.ISAS, "reference")
+PATHS = (*cpu_quant._FLOAT_CHAIN, "reference")  # the float paths; the integer ones: tests/test_cpu_qdot.py
 OUT, IN = 37, 160  # 37: a last group of 5 live rows and 3 padding rows; 160: five blocks
 
 
@@ -104,7 +104,8 @@ def test_linear_keeps_leading_dims_and_adds_the_bias() -> None:
     x, bias = torch.randn(2, 3, IN), torch.randn(OUT)
     y = cpu_quant.linear(x, laid_out, bias)
     assert y.shape == (2, 3, OUT)
-    torch.testing.assert_close(y, x @ cpu_quant.dequantize(laid_out).T + bias, rtol=1e-5, atol=1e-5)
+    flat = cpu_quant._linear(x.reshape(6, IN), laid_out, None, cpu_quant.isa())  # rows are independent
+    torch.testing.assert_close(y, flat.view(2, 3, OUT) + bias, rtol=1e-6, atol=1e-6)
 
 
 def test_isa_is_the_best_that_proc_cpuinfo_names() -> None:
@@ -113,17 +114,20 @@ def test_isa_is_the_best_that_proc_cpuinfo_names() -> None:
         return
     flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
                      if line.startswith("flags")).split(":", 1)[1].split())
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    expected = []
+    if avx2 and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        expected.append("avx512vnni")
+    if avx2:
+        expected.append("avx2int8")
     if {"avx512_bf16", "avx512f", "avx512bw"} <= flags:
-        expected = "avx512bf16"
+        expected += ["avx512bf16", "avx512f", "avx2"]
     elif {"avx512f", "avx512bw"} <= flags:
-        expected = "avx512f"
-    elif {"avx2", "fma", "f16c"} <= flags:
-        expected = "avx2"
-    else:
-        expected = "reference"
-    assert cpu_quant.isa() == expected
-    assert cpu_quant.supported_isas() == (() if expected == "reference" else
-                                          cpu_quant.ISAS[cpu_quant.ISAS.index(expected):])
+        expected += ["avx512f", "avx2"]
+    elif avx2:
+        expected.append("avx2")
+    assert cpu_quant.supported_isas() == tuple(expected)
+    assert cpu_quant.isa() == (expected[0] if expected else "reference")
 
 
 @pytest.mark.parametrize("qtype, raw, shape, message", [

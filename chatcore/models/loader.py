@@ -136,6 +136,8 @@ def load_model(settings: Settings) -> LoadedModel:
         raise UnsupportedWeights(f"weights=int8 needs a Hugging Face model folder; {path.name} serves with "
                                  "weights=gguf (its own blocks) or full")
     blocks = _gguf_blocks(settings, path, device)
+    if blocks is not None:
+        _use_quant_isa(settings.quant_isa)
     dtype = torch.float32 if blocks is not None and settings.dtype == "auto" else resolve_dtype(settings.dtype, device)
     model, tokenizer = _from_pretrained(path, dtype)
     model.to(device)
@@ -168,6 +170,14 @@ def load_model(settings: Settings) -> LoadedModel:
         stop_token_ids=_stop_ids(model, tokenizer),
         weights=served,
     )
+
+
+def _use_quant_isa(name: str) -> None:
+    """The `quant_isa` setting applied to `cpu_quant`; a path this CPU lacks is `UnsupportedWeights`."""
+    try:
+        cpu_quant.use_isa(name)
+    except ValueError as error:
+        raise UnsupportedWeights(str(error)) from None
 
 
 def serves_blocks(weights: str, device: torch.device) -> bool:
