@@ -51,7 +51,8 @@ class Settings(BaseSettings):
     kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="KV cache storage dtype; auto: the model's dtype (exact)")
     weights: Literal["auto", "full", "gguf", "int8"] = Field(
-        "auto", description="auto: gguf on a CPU without native bfloat16 matmuls (AVX2, AVX-512F), else full "
+        "auto", description="auto: gguf for a model given as a .gguf file, and on a CPU without native bfloat16 "
+        "matmuls (AVX2, AVX-512F), else full "
         "(on an AVX512-BF16/AMX CPU full bfloat16 decodes as fast and prefills 2-4x faster than float32 over the "
         "blocks, docs/kernels.md); gguf: on the CPU, a GGUF model (the default model, or model=PATH.gguf) serves "
         "its own quantized blocks (Q4_0, Q4_1, Q8_0: the decoder's linears and the LM head), any other model "

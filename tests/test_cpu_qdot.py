@@ -15,15 +15,13 @@ choice and `use_isa`'s forcing and refusal run on every CPU.
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from chatcore.kernels import cpu_quant, native
-from tests.test_cpu_quant import raw_blocks
+from tests.test_cpu_quant import _build, built_path_equals_native, raw_blocks
 
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
 INTEGER_PATHS = ("avx512vnni", "avx2int8")
@@ -150,29 +148,17 @@ def test_the_best_path_is_an_integer_one_wherever_avx2_runs() -> None:
     assert cpu_quant.isa() in cpu_quant.INTEGER_ISAS
 
 
-def _build_avx2_only(tmp_path: Path) -> ctypes.CDLL:
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler")
-    library = tmp_path / "qdot-x86-64-v3.so"
-    source = Path(cpu_quant.__file__).with_name("cpu_qdot.c")
-    subprocess.run([compiler, "-O3", "-march=x86-64-v3", "-fopenmp", "-fPIC", "-shared", "-Werror", "-Wall", "-o",
-                    str(library), str(source)], check=True, capture_output=True, timeout=120)
-    return ctypes.CDLL(str(library))
-
-
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_an_avx2_only_build_gives_the_native_bits(tmp_path: Path, qtype: str) -> None:
     """Built for x86-64-v3 (no AVX-512 anywhere), the AVX2 integer path gives what the native build's
     integer paths give: what an AVX2 laptop runs is what the tests above check here."""
     skip_unless_runs("avx2int8")
-    library = _build_avx2_only(tmp_path)
+    library = ctypes.CDLL(str(_build(tmp_path, "x86-64-v3", "cpu_qdot.c")))
     assert library.chatcore_qdot_supported(cpu_quant._ISA_CODES["avx2int8"]) == 1
-    laid_out, x = cpu_quant.lay_out(raw_blocks(qtype, 45, 576), qtype, 45, 576), torch.randn(3, 576)
-    out = torch.empty(3, 45)
-    failed = library.chatcore_qdot_linear(
-        ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(laid_out.data.data_ptr()), ctypes.c_void_p(out.data_ptr()),
-        0, cpu_quant._QTYPE_CODES[qtype], cpu_quant._ISA_CODES["avx2int8"], ctypes.c_int64(3), ctypes.c_int64(45),
-        ctypes.c_int64(576), 2)
-    assert failed == 0
-    assert torch.equal(out, cpu_quant._linear(x, laid_out, None, "avx2int8"))
+    assert built_path_equals_native(library.chatcore_qdot_linear, "avx2int8", qtype)
+
+
+def test_the_file_builds_for_a_cpu_without_avx(tmp_path: Path) -> None:
+    library = ctypes.CDLL(str(_build(tmp_path, "x86-64", "cpu_qdot.c")))
+    assert library.chatcore_qdot_supported(cpu_quant._ISA_CODES["avx2int8"]) in (0, 1)
+    assert library.chatcore_qdot_supported(cpu_quant._ISA_CODES["avx2"]) == 0  # not an integer path

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -169,15 +170,26 @@ def test_a_path_this_cpu_lacks_is_refused() -> None:
         cpu_quant._linear(torch.randn(1, IN), weight("Q4_0"), None, "avx9")
 
 
-def _build(tmp_path: Path, march: str) -> Path:
+def _build(tmp_path: Path, march: str, source_name: str = "cpu_quant.c") -> Path:
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
-    library = tmp_path / f"quant-{march}.so"
-    source = Path(cpu_quant.__file__).with_name("cpu_quant.c")
+    library = tmp_path / f"{source_name}-{march}.so"
+    source = Path(cpu_quant.__file__).with_name(source_name)
     subprocess.run([compiler, "-O3", f"-march={march}", "-fopenmp", "-fPIC", "-shared", "-Werror", "-Wall", "-o",
                     str(library), str(source)], check=True, capture_output=True, timeout=120)
     return library
+
+
+def built_path_equals_native(function: Callable[..., int], path: str, qtype: str) -> bool:
+    """Whether `function` (a linear of a separately built library) on `path` gives the native build's bits."""
+    laid_out, x = weight(qtype, out_features=45, in_features=576), torch.randn(3, 576)
+    out = torch.empty(3, 45)
+    failed = function(
+        ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(laid_out.data.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+        0, cpu_quant._QTYPE_CODES[qtype], cpu_quant._ISA_CODES[path], ctypes.c_int64(3), ctypes.c_int64(45),
+        ctypes.c_int64(576), 2)
+    return failed == 0 and torch.equal(out, cpu_quant._linear(x, laid_out, None, path))
 
 
 def test_the_file_builds_for_a_cpu_without_avx(tmp_path: Path) -> None:
@@ -191,11 +203,4 @@ def test_an_avx2_only_build_runs_the_avx2_path_as_the_native_one(tmp_path: Path,
     build's bits: what an AVX2 laptop runs is what the tests above check here."""
     skip_unless_runs("avx2")
     library = ctypes.CDLL(str(_build(tmp_path, "x86-64-v3")))
-    laid_out, x = weight(qtype, out_features=45, in_features=576), torch.randn(3, 576)
-    out = torch.empty(3, 45)
-    failed = library.chatcore_quant_linear(
-        ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(laid_out.data.data_ptr()), ctypes.c_void_p(out.data_ptr()),
-        0, cpu_quant._QTYPE_CODES[qtype], cpu_quant._ISA_CODES["avx2"], ctypes.c_int64(3), ctypes.c_int64(45),
-        ctypes.c_int64(576), 2)
-    assert failed == 0
-    assert torch.equal(out, cpu_quant._linear(x, laid_out, None, "avx2"))
+    assert built_path_equals_native(library.chatcore_quant_linear, "avx2", qtype)
