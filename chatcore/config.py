@@ -51,13 +51,18 @@ class Settings(BaseSettings):
     kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="KV cache storage dtype; auto: the model's dtype (exact)")
     weights: Literal["auto", "full", "gguf", "int8"] = Field(
-        "auto", description="auto: gguf on a CPU without native bfloat16 matmuls (AVX2, AVX-512F), else full "
+        "auto", description="auto: gguf for a model given as a .gguf file, and on a CPU without native bfloat16 "
+        "matmuls (AVX2, AVX-512F), else full "
         "(on an AVX512-BF16/AMX CPU full bfloat16 decodes as fast and prefills 2-4x faster than float32 over the "
         "blocks, docs/kernels.md); gguf: on the CPU, a GGUF model (the default model, or model=PATH.gguf) serves "
         "its own quantized blocks (Q4_0, Q4_1, Q8_0: the decoder's linears and the LM head), any other model "
         "as full; full: the linears in the model's dtype (a GGUF dequantized); int8: the decoder "
         "layers' linears as int8 weights (torchao, AWQ scales found at load; CPU only), the LM head and the rest "
         "in the model's dtype")
+    quant_isa: Literal["auto", "avx512vnni", "avx2int8", "avx512bf16", "avx512f", "avx2", "reference"] = Field(
+        "auto", description="with a GGUF's blocks: the few-row products' path; auto: the best this CPU runs "
+        "(integer dot products: avx512vnni, else avx2int8), or a lower one forced (float: avx512bf16, avx512f, avx2; "
+        "reference: torch); a path this CPU lacks is refused at load (docs/kernels.md)")
     threads: int = Field(0, description="torch threads; 0 keeps torch's default")
     cuda_graphs: bool = Field(True, description="on CUDA: capture the decode step as CUDA graphs at start, one per "
                               "batch size up to max_num_seqs (prefill runs eagerly)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 GROUPS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "device", "dtype", "kv_dtype", "weights", "threads", "cuda_graphs", "cache_dir"),
+    "model": ("model", "device", "dtype", "kv_dtype", "weights", "quant_isa", "threads", "cuda_graphs", "cache_dir"),
     "engine": ("block_size", "kv_cache_gb", "num_blocks", "gpu_memory_fraction", "low_watermark", "high_watermark",
                "cache_scope", "eviction_policy", "debug_audit", "max_batch_tokens", "max_num_seqs",
                "max_queue_wait_s", "max_waiting_requests", "max_context", "max_schema_bytes", "max_schema_depth",

@@ -8,9 +8,12 @@ and `dequantize` gives the weights it stands for, exactly as GGUF's reference co
 float32 (`d * q`, then `+ m`, each rounded once).
 
 `linear` takes float32 or bfloat16 rows and returns the same dtype, accumulating in float32:
-- up to `FEW_ROWS` rows (decode): the C kernel dequantizes each block in registers, on the best
-  path this CPU has (`isa()`: AVX512-BF16, AVX-512F or AVX2 + FMA, found at run time), with
-  `torch.get_num_threads()` threads; outputs do not depend on the thread count;
+- up to `FEW_ROWS` rows (decode), on the best path this CPU has (`isa()`, found at run time), with
+  `torch.get_num_threads()` threads; outputs do not depend on the thread count. The integer paths
+  (`kernels/cpu_qdot.c`: AVX512-VNNI, else AVX2) quantize each row once to 8-bit blocks of 32 and
+  take each block's product in integers; the float paths (`kernels/cpu_quant.c`: AVX512-BF16,
+  AVX-512F, AVX2 + FMA) dequantize each block in registers and stay the float32 reference and the
+  fallback. `use_isa` (the `quant_isa` setting) forces a lower path;
 - more rows (prefill): the C dequantizes the weight once per call into the activations' dtype
   (a bfloat16 weight rounds each float32 weight once), and torch's GEMM (oneDNN; AMX where the
   CPU has it) multiplies every row by it: measured 3-7x faster than a tile at a time written into
@@ -40,8 +43,12 @@ QTYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 BLOCK = 32  # weights per block
 ROWS = 8  # output rows per group of the layout (cpu_quant.c's ROWS; checked when the library loads)
 FEW_ROWS = 32  # up to this many rows the C kernel multiplies (measured faster at 32); more: dequantize + GEMM
-ISAS = ("avx512bf16", "avx512f", "avx2")  # the C paths, best first; `isa()` may also say "reference"
-_ISA_CODES = {"avx2": 1, "avx512f": 2, "avx512bf16": 3}
+ISAS = ("avx512vnni", "avx2int8", "avx512bf16", "avx512f", "avx2")  # the C paths, best first; or "reference"
+INTEGER_ISAS = frozenset({"avx512vnni", "avx2int8"})  # cpu_qdot.c: activations quantized to 8-bit blocks
+_ISA_CODES = {"avx2": 1, "avx512f": 2, "avx512bf16": 3, "avx2int8": 4, "avx512vnni": 5}
+MIN_KIND = {"avx512vnni": "avx512bf16", "avx2int8": "avx2", "avx512bf16": "avx512bf16", "avx512f": "avx512f",
+            "avx2": "avx2"}  # the lowest CPU kind (kernels/cpu_kind.py) each path belongs to
+_FLOAT_CHAIN = ("avx512bf16", "avx512f", "avx2")  # each float path's CPU runs the ones after it
 _QTYPE_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
 _SCALE_BYTES = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}  # per block: d (fp16), and m for Q4_1
 _QUANT_BYTES = {"Q4_0": 16, "Q4_1": 16, "Q8_0": 32}
@@ -76,8 +83,9 @@ class QuantWeight:
 @dataclass(frozen=True)
 class _Kernel:
     linear: Callable[..., int]
+    qdot: Callable[..., int]  # cpu_qdot.c's integer products, the same arguments as `linear`
     dequantize: Callable[..., None]
-    best: str | None  # the best ISA this CPU runs, None when none of `ISAS`
+    supported: tuple[str, ...]  # the paths of `ISAS` this CPU runs, best first
 
 
 def _check_qtype(qtype: str) -> None:
@@ -97,26 +105,49 @@ def _kernel() -> _Kernel | None:
         return None
     if loaded.chatcore_quant_rows_per_group() != ROWS:
         raise RuntimeError(f"cpu_quant.c groups {loaded.chatcore_quant_rows_per_group()} rows, cpu_quant.py {ROWS}")
-    function, dequantize_function = loaded.chatcore_quant_linear, loaded.chatcore_quant_dequantize
+    function, qdot, dequantize_function = loaded.chatcore_quant_linear, loaded.chatcore_qdot_linear, \
+        loaded.chatcore_quant_dequantize
     function.argtypes, function.restype = _LINEAR_ARGS, ctypes.c_int
+    qdot.argtypes, qdot.restype = _LINEAR_ARGS, ctypes.c_int
     dequantize_function.argtypes, dequantize_function.restype = _DEQUANTIZE_ARGS, None
     codes = {code: name for name, code in _ISA_CODES.items()}
-    return _Kernel(function, dequantize_function, codes.get(loaded.chatcore_quant_best_isa()))
+    best = codes.get(loaded.chatcore_quant_best_isa())
+    floats = _FLOAT_CHAIN[_FLOAT_CHAIN.index(best):] if best is not None else ()
+    integers = tuple(name for name in ISAS if name in INTEGER_ISAS and loaded.chatcore_qdot_supported(_ISA_CODES[name]))
+    return _Kernel(function, qdot, dequantize_function, (*integers, *floats))
+
+
+_forced: list[str] = []  # the path `use_isa` chose, when one was forced
+
+
+def use_isa(name: str) -> None:
+    """Serve `linear` on path `name` ("auto": the best this CPU runs; "reference": torch's float32).
+    Raises ValueError, changing nothing, for a path this CPU and build do not run."""
+    if name not in ("auto", "reference") and name not in supported_isas():
+        raise ValueError(f"quant_isa={name}: this CPU and build run {', '.join(supported_isas()) or 'no C path'} "
+                         f"(or reference, auto)")
+    _forced[:] = [] if name == "auto" else [name]
 
 
 def isa() -> str:
-    """The path `linear` takes here: "avx512bf16", "avx512f", "avx2" or "reference": the best this
-    CPU runs, at or below the CPU kind chatcore runs as (kernels/cpu_kind.py)."""
-    kernel = _kernel()
-    allowed = [name for name in ISAS if cpu_kind.at_least(name)]
-    best = kernel.best if kernel is not None else None
-    return ISAS[max(ISAS.index(best), ISAS.index(allowed[0]))] if best is not None and allowed else "reference"
+    """The path `linear` takes here: the one `use_isa` forced, else the best of `supported_isas()`,
+    else "reference"."""
+    if _forced:
+        return _forced[0]
+    supported = supported_isas()
+    return supported[0] if supported else "reference"
 
 
 def supported_isas() -> tuple[str, ...]:
-    """Every C path this CPU and build run, best first (the best is `isa()`); empty where none."""
-    chosen = isa()
-    return () if chosen == "reference" else ISAS[ISAS.index(chosen):]
+    """Every C path of `ISAS` this CPU and build run, best first; empty where none. Under a
+    `CHATCORE_CPU_ISA` cap below this CPU (kernels/cpu_kind.py), only the paths of that kind
+    (`MIN_KIND`): the AVX-512F kind without VNNI, as the team's machine of that kind."""
+    kernel = _kernel()
+    if kernel is None:
+        return ()
+    if cpu_kind.kind() == cpu_kind.detected():
+        return kernel.supported
+    return tuple(name for name in kernel.supported if cpu_kind.at_least(MIN_KIND[name]))
 
 
 def lay_out(raw: torch.Tensor, qtype: str, out_features: int, in_features: int) -> QuantWeight:
@@ -231,8 +262,9 @@ def _few_rows(x: torch.Tensor, weight: QuantWeight, path: str) -> torch.Tensor:
     assert kernel is not None  # a supported path implies a loaded library
     rows = x.shape[0]
     out = torch.empty(rows, weight.out_features, dtype=x.dtype)
+    function = kernel.qdot if path in INTEGER_ISAS else kernel.linear
     with native.traced(PROFILER_NAME):
-        failed = kernel.linear(x.data_ptr(), weight.data.data_ptr(), out.data_ptr(), int(x.dtype is torch.bfloat16),
+        failed = function(x.data_ptr(), weight.data.data_ptr(), out.data_ptr(), int(x.dtype is torch.bfloat16),
                                _QTYPE_CODES[weight.qtype], _ISA_CODES[path], rows, weight.out_features,
                                weight.in_features, torch.get_num_threads())
     if failed:

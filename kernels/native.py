@@ -1,7 +1,8 @@
 """The CPU's C kernels, built on first use into one library and called through ctypes: the decode
 attention (`kernels/cpu_decode.c`, wrapped here), the few-row bfloat16 linear
 (`kernels/cpu_linear.c`, wrapped by kernels/cpu_linear.py), the linear on GGUF's quantized blocks
-(`kernels/cpu_quant.c`, wrapped by kernels/cpu_quant.py), a decoder layer's bfloat16 pointwise
+(`kernels/cpu_quant.c`, and its integer dot products `kernels/cpu_qdot.c`, both wrapped by
+kernels/cpu_quant.py), a decoder layer's bfloat16 pointwise
 steps (`kernels/cpu_pointwise.c`, wrapped by kernels/cpu_pointwise.py) and the KV store
 (`kernels/cpu_store.c`, wrapped by kernels/cpu_store.py).
 
@@ -46,7 +47,7 @@ from chatcore.kernels import cpu_kind
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_linear.c", "cpu_pointwise.c",
-                                                               "cpu_quant.c", "cpu_store.c"))
+                                                               "cpu_qdot.c", "cpu_quant.c", "cpu_store.c"))
 HEADERS = (Path(__file__).with_name("bfloat16.h"),)  # included by the sources: part of the library's key
 PROFILER_NAME = "kernels::paged_decode_c"  # how a call shows in torch.profiler (bench/step_ops.py)
 FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")  # and the CPU kind's target (`cpu_kind.march`)

@@ -1,6 +1,6 @@
 """kernels/cpu_quant: linears and dequantization on GGUF's own Q4_0 / Q4_1 / Q8_0 blocks.
 
-Every C path this CPU runs (AVX512-BF16, AVX-512F, AVX2) and the torch reference, for every type,
+Every float C path this CPU runs (AVX512-BF16, AVX-512F, AVX2) and the torch reference, for every type,
 at few and many rows, in float32 and bfloat16, against `dequantize` + a float32 matmul; `dequantize`
 against the gguf package's own; outputs independent of the thread count; refusals; the run-time
 choice against /proc/cpuinfo; and the file built for an AVX2-only target, whose AVX2 path runs here.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -21,7 +22,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from chatcore.kernels import cpu_kind, cpu_quant, native
 
 QTYPES = ("Q4_0", "Q4_1", "Q8_0")
-PATHS = (*cpu_quant.ISAS, "reference")
+PATHS = (*cpu_quant._FLOAT_CHAIN, "reference")  # the float paths; the integer ones: tests/test_cpu_qdot.py
 OUT, IN = 37, 160  # 37: a last group of 5 live rows and 3 padding rows; 160: five blocks
 
 
@@ -104,7 +105,8 @@ def test_linear_keeps_leading_dims_and_adds_the_bias() -> None:
     x, bias = torch.randn(2, 3, IN), torch.randn(OUT)
     y = cpu_quant.linear(x, laid_out, bias)
     assert y.shape == (2, 3, OUT)
-    torch.testing.assert_close(y, x @ cpu_quant.dequantize(laid_out).T + bias, rtol=1e-5, atol=1e-5)
+    flat = cpu_quant._linear(x.reshape(6, IN), laid_out, None, cpu_quant.isa())  # rows are independent
+    torch.testing.assert_close(y, flat.view(2, 3, OUT) + bias, rtol=1e-6, atol=1e-6)
 
 
 def test_isa_is_the_best_of_the_cpu_kind_chatcore_runs_as() -> None:
@@ -112,11 +114,26 @@ def test_isa_is_the_best_of_the_cpu_kind_chatcore_runs_as() -> None:
     if native.library() is None:
         assert cpu_quant.isa() == "reference"
         return
-    expected = {"amx": "avx512bf16", "avx512bf16": "avx512bf16", "avx512f": "avx512f", "avx2": "avx2",
-                "generic": "reference"}[cpu_kind.kind()]
-    assert cpu_quant.isa() == expected
-    assert cpu_quant.supported_isas() == (() if expected == "reference" else
-                                          cpu_quant.ISAS[cpu_quant.ISAS.index(expected):])
+    flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags")).split(":", 1)[1].split())
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    expected = []
+    if avx2 and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        expected.append("avx512vnni")
+    if avx2:
+        expected.append("avx2int8")
+    if {"avx512_bf16", "avx512f", "avx512bw"} <= flags:
+        expected += ["avx512bf16", "avx512f", "avx2"]
+    elif {"avx512f", "avx512bw"} <= flags:
+        expected += ["avx512f", "avx2"]
+    elif avx2:
+        expected.append("avx2")
+    if cpu_kind.kind() != cpu_kind.detected():  # a cap: that kind's paths alone, VNNI from avx512bf16 up
+        lowest = {"avx512vnni": "avx512bf16", "avx2int8": "avx2", "avx512bf16": "avx512bf16", "avx512f": "avx512f",
+                  "avx2": "avx2"}
+        expected = [path for path in expected if cpu_kind.at_least(lowest[path])]
+    assert cpu_quant.supported_isas() == tuple(expected)
+    assert cpu_quant.isa() == (expected[0] if expected else "reference")
 
 
 @pytest.mark.parametrize("qtype, raw, shape, message", [
@@ -170,15 +187,26 @@ def test_a_path_this_cpu_lacks_is_refused() -> None:
         cpu_quant._linear(torch.randn(1, IN), weight("Q4_0"), None, "avx9")
 
 
-def _build(tmp_path: Path, march: str) -> Path:
+def _build(tmp_path: Path, march: str, source_name: str = "cpu_quant.c") -> Path:
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
-    library = tmp_path / f"quant-{march}.so"
-    source = Path(cpu_quant.__file__).with_name("cpu_quant.c")
+    library = tmp_path / f"{source_name}-{march}.so"
+    source = Path(cpu_quant.__file__).with_name(source_name)
     subprocess.run([compiler, "-O3", f"-march={march}", "-fopenmp", "-fPIC", "-shared", "-Werror", "-Wall", "-o",
                     str(library), str(source)], check=True, capture_output=True, timeout=120)
     return library
+
+
+def built_path_equals_native(function: Callable[..., int], path: str, qtype: str) -> bool:
+    """Whether `function` (a linear of a separately built library) on `path` gives the native build's bits."""
+    laid_out, x = weight(qtype, out_features=45, in_features=576), torch.randn(3, 576)
+    out = torch.empty(3, 45)
+    failed = function(
+        ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(laid_out.data.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+        0, cpu_quant._QTYPE_CODES[qtype], cpu_quant._ISA_CODES[path], ctypes.c_int64(3), ctypes.c_int64(45),
+        ctypes.c_int64(576), 2)
+    return failed == 0 and torch.equal(out, cpu_quant._linear(x, laid_out, None, path))
 
 
 def test_the_file_builds_for_a_cpu_without_avx(tmp_path: Path) -> None:
@@ -192,11 +220,4 @@ def test_an_avx2_only_build_runs_the_avx2_path_as_the_native_one(tmp_path: Path,
     build's bits: what an AVX2 laptop runs is what the tests above check here."""
     skip_unless_runs("avx2")
     library = ctypes.CDLL(str(_build(tmp_path, "x86-64-v3")))
-    laid_out, x = weight(qtype, out_features=45, in_features=576), torch.randn(3, 576)
-    out = torch.empty(3, 45)
-    failed = library.chatcore_quant_linear(
-        ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(laid_out.data.data_ptr()), ctypes.c_void_p(out.data_ptr()),
-        0, cpu_quant._QTYPE_CODES[qtype], cpu_quant._ISA_CODES["avx2"], ctypes.c_int64(3), ctypes.c_int64(45),
-        ctypes.c_int64(576), 2)
-    assert failed == 0
-    assert torch.equal(out, cpu_quant._linear(x, laid_out, None, "avx2"))
+    assert built_path_equals_native(library.chatcore_quant_linear, "avx2", qtype)

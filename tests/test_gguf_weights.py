@@ -3,8 +3,9 @@
 The default model: every linear it replaces (210 Q4_1 projections and the Q8_0 LM head tied to the
 embedding) holds exactly the values transformers dequantized into the converted folder, rows in its
 order (the q/k permutation undone); the fingerprint differs from weights=full's; fidelity against
-transformers on the dequantized float32 weights (issue 45): top-1 agreement >= 0.99 on the fidelity
-prompts and equal greedy output on at least 7 of 8 prompts x 48 tokens; a chat served through the
+transformers on the dequantized float32 weights, teacher-forced (issue 54): top-1 agreement >= 0.98
+on the fidelity prompts x 48 tokens and every logit within 5% of its row's range, free-running
+greedy agreement reported; a chat served through the
 real server with the block audit clean. A tiny GGUF written with GGUFWriter: `--model PATH.gguf`
 serves it, equal to transformers on the same file. Refusals, one line each: an unsupported
 architecture or quantization type, a truncated file, a corrupt header.
@@ -13,6 +14,7 @@ architecture or quantization type, a truncated file, a corrupt header.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,9 +35,9 @@ from tests.server_helpers import hello, turn
 from tests.tiny_gguf import write_tiny_gguf
 from tests.tiny_models import save_tiny_model
 
-AGREEMENT = 0.99
+AGREEMENT = 0.98  # teacher-forced top-1 (issue 54)
+LOGIT_SHARE = 0.05  # a logit's error over its row's range (max - min) at most
 NEW_TOKENS = 48
-EQUAL_PROMPTS = 7
 
 
 def _greedy(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -57,7 +59,23 @@ def _quant_linears(model: torch.nn.Module) -> dict[str, QuantLinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
+@pytest.fixture(autouse=True)
+def _best_quant_path() -> Iterator[None]:
+    """A test that forces a `quant_isa` leaves the best path to the next."""
+    yield
+    cpu_quant.use_isa("auto")
+
+
 # --- settings ----------------------------------------------------------------------------------------
+
+
+def test_a_quant_isa_this_cpu_lacks_is_refused_at_load_in_one_line() -> None:
+    from chatcore.models.int8_weights import UnsupportedWeights
+    from chatcore.models.loader import _use_quant_isa
+
+    with pytest.raises(UnsupportedWeights, match=r"^quant_isa=avx9: this CPU and build run [^\n]*$"):
+        _use_quant_isa("avx9")
+    assert cpu_quant.isa() == (cpu_quant.supported_isas() or ("reference",))[0]
 
 
 def test_auto_is_the_default_and_a_model_that_is_no_gguf_loads_as_full(tmp_path: Path,
@@ -73,9 +91,10 @@ def test_auto_is_the_default_and_a_model_that_is_no_gguf_loads_as_full(tmp_path:
 
 
 def test_auto_serves_the_blocks_where_the_cpu_lacks_native_bfloat16_and_gguf_everywhere(tmp_path: Path) -> None:
-    """auto serves a GGUF's blocks exactly where `dtype=auto` is float32 (AVX2, AVX-512F); elsewhere
-    (AVX512-BF16, AMX) full bfloat16 weights, measured faster there. gguf serves them on every CPU,
-    and is refused on another device in one line."""
+    """auto serves the default model's GGUF blocks exactly where `dtype=auto` is float32 (AVX2,
+    AVX-512F); elsewhere (AVX512-BF16, AMX) full bfloat16 weights. A model given as a .gguf file
+    serves its blocks under auto on every CPU (issue 54), as gguf does; gguf is refused on another
+    device in one line."""
     from chatcore.models.device import resolve_dtype
     from chatcore.models.int8_weights import UnsupportedWeights, check_weights
     from chatcore.models.loader import serves_blocks
@@ -83,10 +102,10 @@ def test_auto_serves_the_blocks_where_the_cpu_lacks_native_bfloat16_and_gguf_eve
     cpu = torch.device("cpu")
     assert serves_blocks("auto", cpu) == (resolve_dtype("auto", cpu) == torch.float32)
     assert serves_blocks("gguf", cpu) and not serves_blocks("full", cpu) and not serves_blocks("gguf", torch.device("cuda"))
+    assert serves_blocks("auto", cpu, bare_gguf=True) and not serves_blocks("auto", torch.device("cuda"), True)
     path = write_tiny_gguf(tmp_path / "tiny.gguf", {})
     auto = load_model(Settings(model=str(path), device="cpu", weights="auto"))
-    assert bool(_quant_linears(auto.model)) == serves_blocks("auto", cpu)
-    assert auto.weights == ("gguf" if serves_blocks("auto", cpu) else "full")
+    assert _quant_linears(auto.model) and auto.weights == "gguf" and auto.dtype == torch.float32
     with pytest.raises(UnsupportedWeights, match="weights=gguf runs on the CPU only"):
         check_weights("gguf", torch.device("cuda"))
 
@@ -131,19 +150,51 @@ def test_the_default_model_serves_its_gguf_blocks_as_transformers_dequantized_th
     assert gguf_fp32.fingerprint != loaded_fp32.fingerprint  # other weights, other KV
 
 
+def _teacher_forced_logits(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The logits `model` gives for each of `tokens` after `prompt` and the tokens before it: the
+    prompt in one forward, then one token a forward with transformers' cache, so every product after
+    the prompt takes the few-row (decode) path, as the engine's decode rows do."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    logits = [out.logits[0, -1]]
+    for token in tokens[:-1]:
+        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+        logits.append(out.logits[0, -1])
+    return torch.stack(logits)
+
+
 @pytest.mark.model
 def test_fidelity_against_transformers_on_the_dequantized_float32_weights(gguf_fp32, hf_model) -> None:
+    """Teacher-forced (issue 54): both models read transformers' greedy text; the blocks' top-1 must
+    agree on >= 0.98 of the tokens, and every logit stay within 5% of its row's range (the integer
+    paths quantize each product's input to 8-bit blocks: measured 0.981 and 2.9% on avx512vnni,
+    2026-12-07). Free-running greedy output through the engine is reported, not required equal."""
     tok = gguf_fp32.tokenizer
     prompts = [chat_ids(tok, q) for q in QUESTIONS] + [chat_ids(tok, q, LONG_SYSTEM) for q in QUESTIONS]
+    model, attention = gguf_fp32.model, gguf_fp32.model.config._attn_implementation
+    agree, total, worst, worst_share = 0, 0, 0.0, 0.0
+    try:
+        model.config._attn_implementation = "sdpa"  # transformers' own attention: no step metadata here
+        with torch.inference_mode():
+            for prompt in prompts:
+                text = hf_greedy(hf_model, prompt, NEW_TOKENS)
+                expected = hf_model(torch.tensor([prompt + text[:-1]])).logits[0, len(prompt) - 1:]
+                ours = _teacher_forced_logits(model, prompt, text)
+                agree, total = agree + int((ours.argmax(-1) == expected.argmax(-1)).sum()), total + len(text)
+                error = (ours - expected).abs().amax(-1)
+                worst = max(worst, float(error.max()))
+                worst_share = max(worst_share, float((error / (expected.amax(-1) - expected.amin(-1))).max()))
+    finally:
+        model.config._attn_implementation = attention
     outputs = _greedy(gguf_fp32, prompts, NEW_TOKENS)
-    agreement, where = top1_agreement(hf_model, prompts, outputs)
+    free_running, _ = top1_agreement(hf_model, prompts, outputs)
     with torch.inference_mode():  # transformers stops at EOS, which the engine ignored: equal up to there
         references = [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts[:8]]
-    equal = [ref == out[:len(ref)] for ref, out in zip(references, outputs[:8], strict=True)]
-    print(f"GGUF blocks ({cpu_quant.isa()}), float32 activations: top-1 agreement {agreement:.4f} over "
-          f"{len(prompts) * NEW_TOKENS} tokens (prompts where not: {where}); greedy equal on {sum(equal)} of 8")
-    assert agreement >= AGREEMENT
-    assert sum(equal) >= EQUAL_PROMPTS
+    equal = sum(ref == out[:len(ref)] for ref, out in zip(references, outputs[:8], strict=True))
+    print(f"GGUF blocks ({cpu_quant.isa()}): teacher-forced top-1 agreement {agree / total:.4f} over {total} tokens, "
+          f"max |logit error| {worst:.3f} ({worst_share:.2%} of its row's range); free-running through the engine: "
+          f"transformers agrees with {free_running:.4f} of its tokens, greedy equal on {equal} of 8")
+    assert agree / total >= AGREEMENT
+    assert worst_share <= LOGIT_SHARE
 
 
 @pytest.mark.model
@@ -174,7 +225,10 @@ def test_a_gguf_file_serves_its_blocks_equal_to_transformers_on_the_same_file(ti
 
     from chatcore import cli
 
-    loaded = load_model(Settings(model=str(tiny_gguf), device="cpu", weights="gguf"))
+    # the float products (exact weights, float32 activations): a tiny random model's top logits nearly
+    # tie, so greedy equality is asked of them; the integer paths' fidelity is the default model's test
+    float_path = next((p for p in cpu_quant.supported_isas() if p not in cpu_quant.INTEGER_ISAS), "reference")
+    loaded = load_model(Settings(model=str(tiny_gguf), device="cpu", weights="gguf", quant_isa=float_path))
     linears = _quant_linears(loaded.model)
     assert {m.quant.qtype for m in linears.values()} == {"Q4_0", "Q4_1", "Q8_0"} and "lm_head" in linears
     full = load_model(Settings(model=str(tiny_gguf), device="cpu", weights="full", dtype="float32"))
@@ -186,7 +240,8 @@ def test_a_gguf_file_serves_its_blocks_equal_to_transformers_on_the_same_file(ti
         references = [hf_greedy(twin.eval(), p, 12) for p in prompts]
     assert all(ref and ref == out[:len(ref)] for ref, out in zip(references, ours, strict=True))
     assert cli.main(["generate", "--model", str(tiny_gguf), "--device", "cpu", "--weights", "gguf",
-                     "--prompt", QUESTIONS[0], "--max-tokens", "12", "--temperature", "0", "--json"]) == 0
+                     "--quant-isa", float_path, "--prompt", QUESTIONS[0], "--max-tokens", "12", "--temperature",
+                     "0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["outputs"][0]["token_ids"] == ours[0]
 
 

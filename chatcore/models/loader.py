@@ -136,6 +136,8 @@ def load_model(settings: Settings) -> LoadedModel:
         raise UnsupportedWeights(f"weights=int8 needs a Hugging Face model folder; {path.name} serves with "
                                  "weights=gguf (its own blocks) or full")
     blocks = _gguf_blocks(settings, path, device)
+    if blocks is not None:
+        _use_quant_isa(settings.quant_isa)
     dtype = torch.float32 if blocks is not None and settings.dtype == "auto" else resolve_dtype(settings.dtype, device)
     model, tokenizer = _from_pretrained(path, dtype)
     model.to(device)
@@ -170,15 +172,25 @@ def load_model(settings: Settings) -> LoadedModel:
     )
 
 
-def serves_blocks(weights: str, device: torch.device) -> bool:
-    """Whether a GGUF model serves its own blocks: `weights=gguf` on the CPU, and `weights=auto` on a CPU
-    whose `dtype=auto` is float32 (no native bfloat16 matmuls: AVX2, AVX-512F), where the blocks read
-    5.6x fewer bytes a token than full float32 weights. On an AVX512-BF16/AMX CPU full bfloat16 weights
-    decode as fast as float32 over the blocks and prefill 2-4x faster (docs/kernels.md), so auto
-    serves them there."""
+def _use_quant_isa(name: str) -> None:
+    """The `quant_isa` setting applied to `cpu_quant`; a path this CPU lacks is `UnsupportedWeights`."""
+    try:
+        cpu_quant.use_isa(name)
+    except ValueError as error:
+        raise UnsupportedWeights(str(error)) from None
+
+
+def serves_blocks(weights: str, device: torch.device, bare_gguf: bool = False) -> bool:
+    """Whether a GGUF model serves its own blocks: `weights=gguf` on the CPU; `weights=auto` on the CPU
+    for a model given as a .gguf file (`--model X.gguf`, issue 54: its blocks on every CPU), and for
+    the default model on a CPU whose `dtype=auto` is float32 (no native bfloat16 matmuls: AVX2,
+    AVX-512F), where the blocks read 5.6x fewer bytes a token than full float32 weights. On an
+    AVX512-BF16/AMX CPU the default model's auto stays full bfloat16: its prefill is 2-4x faster than
+    float32 over the blocks (docs/kernels.md), and the integer dot products' decode gain was not
+    measured reliably on the loaded machine (docs/kernels.md, "Integer dot products")."""
     if device.type != "cpu":
         return False
-    return weights == "gguf" or (weights == "auto" and resolve_dtype("auto", device) == torch.float32)
+    return weights == "gguf" or (weights == "auto" and (bare_gguf or resolve_dtype("auto", device) == torch.float32))
 
 
 def _gguf_blocks(settings: Settings, path: Path, device: torch.device) -> tuple[Path, Any] | None:
@@ -186,7 +198,7 @@ def _gguf_blocks(settings: Settings, path: Path, device: torch.device) -> tuple[
     where `serves_blocks` says no, or a model that is no GGUF (the default
     model's GGUF is kept in its folder, `fetch.keep_gguf`). A bare .gguf file is checked either way."""
     bare = path.is_file()
-    serves = serves_blocks(settings.weights, device)
+    serves = serves_blocks(settings.weights, device, bare)
     if not bare and not (serves and settings.model == DEFAULT_MODEL):
         return None
     gguf = path if bare else path / GGUF_FILE
