@@ -28,16 +28,17 @@ SKYLAKE_X = "fpu sse2 avx f16c fma avx2 avx512f avx512dq avx512cd avx512bw avx51
 HASWELL = "fpu sse2 avx f16c fma avx2 bmi2"
 OLD = "fpu sse2 sse4_2 avx"
 # What each kind implies: dtype=auto, the few-row bf16 linear, the GGUF blocks' C path, ATen's dispatch.
+# (The GGUF blocks take integer products from avx2 up: VNNI's with AVX512-BF16, as every such CPU has it.)
 EXPECTED = {
     "generic": ("float32", False, "reference", "DEFAULT"),
-    "avx2": ("float32", False, "avx2", "AVX2"),
-    "avx512f": ("float32", False, "avx512f", "AVX512"),
-    "avx512bf16": ("bfloat16", True, "avx512bf16", "AVX512"),
-    "amx": ("bfloat16", True, "avx512bf16", "AVX512"),
+    "avx2": ("float32", False, "avx2int8", "AVX2"),
+    "avx512f": ("float32", False, "avx2int8", "AVX512"),
+    "avx512bf16": ("bfloat16", True, "avx512vnni", "AVX512"),
+    "amx": ("bfloat16", True, "avx512vnni", "AVX512"),
 }
 # The C kernels' own tests, rerun under each lower kind (each path's reference and refusals included).
 KERNEL_TESTS = ("tests/test_cpu_quant.py", "tests/test_cpu_linear.py", "tests/test_cpu_pointwise.py",
-                "tests/test_cpu_store.py", "tests/test_device.py")
+                "tests/test_cpu_store.py", "tests/test_cpu_qdot.py", "tests/test_device.py")
 PROBE = """
 import json, torch, chatcore
 from chatcore.kernels import cpu_kind, cpu_linear, cpu_quant, native
