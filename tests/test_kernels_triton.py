@@ -306,7 +306,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime import JITFunction
-from chatcore.kernels import cache_ops, paged_decode
+from chatcore.kernels import cache_ops, paged_decode, unified_attention
 
 def compile_kernel(fn, pointers, constexprs):
     kernel = JITFunction(fn)
@@ -325,6 +325,10 @@ for dtype, kv, splits in (("fp16", "fp16", 1), ("bf16", "bf16", 4), ("fp32", "fp
                    "context_lens_ptr": "*i32", "scale_log2": "fp32"},
                    dict(GROUP=3, GROUP_PAD=16, HEAD_DIM=80, HEAD_DIM_PAD=128, BLOCK_SIZE=16, TILE_N=64,
                         NUM_SPLITS=splits, DOT_FP32=dtype == "fp32"))
+    compile_kernel(unified_attention._unified_kernel, {**io, "block_tables_ptr": "*i32", "cu_seqlens_q_ptr": "*i32",
+                   "seq_lens_ptr": "*i32", "scale_log2": "fp32"},
+                   dict(GROUP=3, BLOCK_Q=5, BLOCK_M=16, HEAD_DIM=80, HEAD_DIM_PAD=128, BLOCK_SIZE=16, TILE_N=64,
+                        DOT_FP32=dtype == "fp32"))
 compile_kernel(paged_decode._reduce_kernel, {**parts, "out_ptr": "*bf16"},
                dict(HEAD_DIM=80, HEAD_DIM_PAD=128, NUM_SPLITS=5))
 row = dict(NUM_KV_HEADS=3, KV_HEADS_PAD=4, HEAD_DIM=80, HEAD_DIM_PAD=128, BLOCK_SIZE=16)
