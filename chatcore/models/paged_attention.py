@@ -5,8 +5,10 @@ into one row, decode tokens (one per sequence) first, then prefill chunks. The m
 modules do the projections and RoPE (from our `position_ids`); this function receives the
 rotated keys and values of the packed row, writes them into their cache slots, and attends:
 
-* decode tokens through `kernels.paged_decode_attention` over their block tables;
-* prefill chunks one by one, each with a causal attention over its gathered blocks (cached
+* on the Triton route (CUDA, or the CPU under `TRITON_INTERPRET=1`; `StepMeta.unified`), every row, decode
+  and prefill alike, through one `kernels.unified_attention` launch (kernels/unified_attention.py);
+* otherwise decode tokens through `kernels.paged_decode_attention` over their block tables, and
+  prefill chunks one by one, each with a causal attention over its gathered blocks (cached
   prefix + chunk), through `chatcore.kernels.prefill` (kernels/prefill.py), which also holds
   the CPU's faster paths for a chunk that continues cached tokens.
 
@@ -50,6 +52,17 @@ class PrefillMeta:
     masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)  # kernels/prefill.py's
 
 
+@dataclass(frozen=True, slots=True)
+class UnifiedMeta:
+    """The Triton route's step: each of the step's entries (decode rows first, then chunks) is one sequence of
+    `kernels.unified_attention`. `block_tables` int32 [S, width] (padding holds block 0), `cu_seqlens_q` int32
+    [S + 1] (the packed row's offsets), `seq_lens` int32 [S] (each entry's context, its new tokens included)."""
+
+    block_tables: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+
+
 @dataclass(slots=True)
 class StepMeta:
     """`decode_max_context`: the longest decode context, when the host knows it (no kernel then reads
@@ -63,6 +76,7 @@ class StepMeta:
     prefill: PrefillMeta | None
     decode_max_context: int | None = None
     route: kernels.AttentionRoute | None = None
+    unified: UnifiedMeta | None = None
 
 
 def paged_attention_forward(
@@ -97,6 +111,10 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     [T, kv_heads, D] (views of any strides); writes k and v into their slots, returns [T, heads, D]."""
     key_cache, value_cache = meta.kv.layer(layer)
     k, v = k.to(key_cache.dtype), v.to(value_cache.dtype)
+    if meta.unified is not None:  # the Triton route: one store and one attention launch for every row
+        kernels.store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        u = meta.unified
+        return kernels.unified_attention(q, key_cache, value_cache, u.block_tables, u.cu_seqlens_q, u.seq_lens, scale)
     nd = meta.num_decode
     query = q[:nd].contiguous()
     if meta.route is None:
