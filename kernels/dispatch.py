@@ -87,15 +87,16 @@ def unified_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    tile_rows: int | None = None,
 ) -> torch.Tensor:
     """A whole step's attention in one Triton launch: sequence i's rows `query[cu_seqlens_q[i]:cu_seqlens_q[i+1]]`
     are the last of its `seq_lens[i]` cached tokens (already stored) and attend causally over them, read in
     place through `block_tables[i]`. Decode rows are sequences of one row. Triton only (CUDA, or the CPU in the
-    interpreter): kernels/unified_attention.py."""
+    interpreter): kernels/unified_attention.py. `tile_rows`: rows of a query tile (None: the mode's default)."""
     from chatcore.kernels import _validate, unified_attention as impl
 
     _validate.check_unified(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out)
-    return impl.unified_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
+    return impl.unified_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, out, tile_rows)
 
 
 def store_kv(

@@ -37,6 +37,10 @@ __all__ = ["SUPPORTED_BLOCK_SIZES", "SUPPORTED_DTYPES", "MAX_HEAD_DIM", "check_s
 _LOG2E = math.log2(math.e)
 _TILE_TOKENS = 64  # context tokens per inner tile (several blocks when blocks are smaller)
 _MIN_ROWS = 16  # a tile's rows and head_dim padded to one MMA tile (16-bit tl.dot needs K >= 16)
+# Rows a query tile holds by default: one MMA tile on a GPU (untuned); in the interpreter, where each
+# program costs ~20 ms of Python whatever its size, 64 (a 60-token chunk: 0.8 s a layer at 16, 0.2 at 64).
+_TILE_ROWS = 16
+_INTERPRETED_TILE_ROWS = 64
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -147,21 +151,23 @@ def _unified_kernel(
 _unified = LazyKernel(_unified_kernel)
 
 
-def tile_shape(group: int) -> tuple[int, int]:
-    """(BLOCK_Q, BLOCK_M): query tokens per tile and the tile's rows (BLOCK_Q * group, padded)."""
-    block_m = max(_MIN_ROWS, triton.next_power_of_2(group))
+def tile_shape(group: int, rows: int) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_M): query tokens per tile and the tile's rows (BLOCK_Q * group, padded to a power of two
+    of at least `rows`; a group wider than that takes one token a tile)."""
+    block_m = max(_MIN_ROWS, triton.next_power_of_2(rows), triton.next_power_of_2(group))
     return block_m // group, block_m
 
 
 def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, tile_rows: int | None = None) -> torch.Tensor:
     """Attention of a step's packed rows over the paged cache, one launch.
 
     query [T, H, D]; key_cache, value_cache [num_blocks, block_size, KVH, D] (any supported dtype,
     read converted to the query's); block_tables int32 [S, max_blocks]; cu_seqlens_q int32 [S + 1]
     (0, then each sequence's cumulative row count, ending at T); seq_lens int32 [S] (each sequence's
-    context, its own rows included, already stored). Returns [T, H, D] in the query's dtype.
+    context, its own rows included, already stored). Returns [T, H, D] in the query's dtype. `tile_rows`: a
+    query tile's rows (None: the mode's default).
     """
     require_launchable(query)
     num_tokens, num_heads, head_dim = query.shape
@@ -172,7 +178,8 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    block_q, block_m = tile_shape(group)
+    rows = tile_rows or (_INTERPRETED_TILE_ROWS if interpreted() else _TILE_ROWS)
+    block_q, block_m = tile_shape(group, rows)
     _unified[(num_tokens // block_q + num_seqs, num_kv_heads)](
         query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out,
         scale * _LOG2E, num_seqs,

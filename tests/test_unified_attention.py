@@ -65,12 +65,14 @@ def build(q_lens: list[int], prefixes: list[int], heads: int, kv_heads: int, dim
 
 
 def check(q_lens, prefixes, *, heads=3, kv_heads=1, dim=16, block_size=8, dtype=torch.float32, kv_dtype=None) -> None:
+    """Both tile heights: a GPU's 16 rows and the interpreter's default 64."""
     query, kc, vc, tables, cu, seq_lens = build(q_lens, prefixes, heads, kv_heads, dim, block_size, dtype,
                                                 kv_dtype or dtype)
-    got = kernels.unified_attention(query, kc, vc, tables, cu, seq_lens, 0.3)
     want = dense(query, kc, vc, tables, q_lens, seq_lens.tolist(), 0.3)
-    assert got.dtype == dtype and got.shape == query.shape
-    torch.testing.assert_close(got.float(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    for rows in (16, None):
+        got = kernels.unified_attention(query, kc, vc, tables, cu, seq_lens, 0.3, tile_rows=rows)
+        assert got.dtype == dtype and got.shape == query.shape
+        torch.testing.assert_close(got.float(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -30,8 +30,7 @@ from chatcore.engine.scheduler import ScheduledSeq, StepPlan
 from chatcore.engine.transfers import StepTransfers
 from chatcore.kv.tensors import KVTensors
 from chatcore.models.loader import LoadedModel
-from chatcore.kernels import dispatch as kernels
-from chatcore.models.paged_attention import PrefillMeta, StepMeta, UnifiedMeta
+from chatcore.models.paged_attention import PrefillMeta, StepMeta, UnifiedMeta, unified_route
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +185,7 @@ class ModelRunner:
         pack = _Packer()
         copy_at = pack.add_copies(plan.copies)
         ids_at, positions_at, slots_at, rows_at = (pack.add(rows) for rows in _token_rows(plan.decode + plan.prefill))
-        attention = _pack_unified(pack, plan, self.block_size) if kernels.uses_triton(self.device) \
+        attention = _pack_unified(pack, plan, self.block_size) if unified_route(self.device) \
             else _pack_split(pack, plan, self.block_size)
         values = self.transfers.upload(pack.packed())
 

@@ -79,6 +79,12 @@ class StepMeta:
     unified: UnifiedMeta | None = None
 
 
+def unified_route(device: torch.device) -> bool:
+    """Whether a step on `device` attends through `StepMeta.unified` (the Triton route: CUDA, or the CPU under
+    `TRITON_INTERPRET=1`, decided per step as the kernels decide per call)."""
+    return kernels.uses_triton(device)
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
