@@ -38,7 +38,7 @@ STAGED = ROOT / ".gpu"  # what `make gpu-prepare` stages (bench/gpu_prepare.py)
 DEFAULT_BUDGET_S = 390  # of the 7 minutes; the rest is the wheels' install and the start
 SUMMARY_KEYS = ("device", "commit", "fp32_exact", "engine_64_defaults_tok_s", "engine_256_defaults_tok_s",
                 "hf_static_compiled_64_tok_s", "hf_eager_64_tok_s", "gpu_busy_share_64", "launches_per_decode_step",
-                "kernel_copy_bw_fraction")
+                "kernel_copy_bw_fraction", "ttft_p50_64_s", "prefill_tok_s_64", "launches_per_prefill_step_64")
 KERNEL_TESTS = "tests/test_kernels_triton.py"
 
 
@@ -123,10 +123,12 @@ def _versions() -> dict[str, str | None]:
     return out
 
 
-def _python_stage(stage: Stage, plan_path: Path, scratch: Path, limit_s: float) -> dict[str, Any]:
+def _python_stage(stage: Stage, plan: Plan, plan_path: Path, scratch: Path, limit_s: float) -> dict[str, Any]:
+    """A stage in a child; on the CPU, one of `plan.interpreted_stages` on the GPU's route (the interpreter)."""
     result_path = scratch / f"{stage.name}.json"
     argv = [sys.executable, "-m", "chatcore.bench.gpu_stages", stage.name, str(plan_path), str(result_path)]
-    outcome = run_child(argv, limit_s, scratch / f"{stage.name}.log", cwd=ROOT)
+    env = {**os.environ, "TRITON_INTERPRET": "1"} if stage.name in plan.interpreted_stages else None
+    outcome = run_child(argv, limit_s, scratch / f"{stage.name}.log", env=env, cwd=ROOT)
     return stage_result(outcome, result_path, limit_s)
 
 
@@ -173,6 +175,9 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
         "gpu_busy_share_64": _value(stages, "profile", "gpu_busy_share"),
         "launches_per_decode_step": _value(stages, "profile", "launches_per_decode_step"),
         "kernel_copy_bw_fraction": _value(stages, "kernel", "kernel_bw_fraction"),
+        "ttft_p50_64_s": _value(stages, "engine", "runs", 0, "ttft_p50_s"),
+        "prefill_tok_s_64": _value(stages, "engine", "runs", 0, "prefill_tok_s"),
+        "launches_per_prefill_step_64": _value(stages, "profile", "launches_per_prefill_step"),
     }
 
 
@@ -220,7 +225,7 @@ def run(plan: Plan, out: Path, budget_s: float, device: str) -> int:
             else:
                 _log(f"{stage.name} (at most {limit:.0f} s)")
                 report["stages"][stage.name] = (_kernel_tests(plan, scratch, limit) if stage.name == "kernel_tests"
-                                                else _python_stage(stage, plan_path, scratch, limit))
+                                                else _python_stage(stage, plan, plan_path, scratch, limit))
             _log(f"  {_brief(report['stages'][stage.name])}")
             report["seconds"] = round(time.perf_counter() - started, 1)
             write_report(out, report)
