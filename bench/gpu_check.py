@@ -123,12 +123,10 @@ def _versions() -> dict[str, str | None]:
     return out
 
 
-def _python_stage(stage: Stage, plan: Plan, plan_path: Path, scratch: Path, limit_s: float) -> dict[str, Any]:
-    """A stage in a child; on the CPU, one of `plan.interpreted_stages` on the GPU's route (the interpreter)."""
+def _python_stage(stage: Stage, plan_path: Path, scratch: Path, limit_s: float) -> dict[str, Any]:
     result_path = scratch / f"{stage.name}.json"
     argv = [sys.executable, "-m", "chatcore.bench.gpu_stages", stage.name, str(plan_path), str(result_path)]
-    env = {**os.environ, "TRITON_INTERPRET": "1"} if stage.name in plan.interpreted_stages else None
-    outcome = run_child(argv, limit_s, scratch / f"{stage.name}.log", env=env, cwd=ROOT)
+    outcome = run_child(argv, limit_s, scratch / f"{stage.name}.log", cwd=ROOT)
     return stage_result(outcome, result_path, limit_s)
 
 
@@ -225,7 +223,7 @@ def run(plan: Plan, out: Path, budget_s: float, device: str) -> int:
             else:
                 _log(f"{stage.name} (at most {limit:.0f} s)")
                 report["stages"][stage.name] = (_kernel_tests(plan, scratch, limit) if stage.name == "kernel_tests"
-                                                else _python_stage(stage, plan, plan_path, scratch, limit))
+                                                else _python_stage(stage, plan_path, scratch, limit))
             _log(f"  {_brief(report['stages'][stage.name])}")
             report["seconds"] = round(time.perf_counter() - started, 1)
             write_report(out, report)

@@ -44,8 +44,6 @@ class Plan:
     copy_bytes: int = 1 << 30
     timing_reps: int = 5
     rehearsal: bool = False
-    # Stages a CPU rehearsal runs on the GPU's route: the Triton kernels in Triton's interpreter (TRITON_INTERPRET=1).
-    interpreted_stages: tuple[str, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -54,7 +52,6 @@ class Plan:
     def from_file(cls, path: Path) -> Plan:
         data = json.loads(path.read_text())
         data["chats"] = tuple(data["chats"])
-        data["interpreted_stages"] = tuple(data.get("interpreted_stages", ()))
         return cls(**data)
 
 
@@ -70,4 +67,4 @@ def rehearsal_plan(model: Path, source: Path) -> Plan:
                 fidelity_tokens=8, fidelity_blocks=512, num_blocks=512, profile_warm_steps=1, profile_steps=2,
                 kernel_case={"num_seqs": 2, "max_context": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
                              "block_size": 16, "dtype": "float32"},
-                copy_bytes=1 << 20, timing_reps=2, rehearsal=True, interpreted_stages=("engine", "profile"))
+                copy_bytes=1 << 20, timing_reps=2, rehearsal=True)

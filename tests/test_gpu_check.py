@@ -56,8 +56,6 @@ def test_rehearsal_summary_has_exactly_the_keys_and_sane_values(rehearsal) -> No
     # No CUDA kernels on the CPU: the profile ran (its step time) and says why the two figures are null.
     assert summary["gpu_busy_share_64"] is None and summary["launches_per_decode_step"] is None
     assert summary["launches_per_prefill_step_64"] is None and report["stages"]["profile"]["prefill_steps"] >= 1
-    # The engine and the profile ran on the GPU's route: the Triton kernels, interpreted.
-    assert report["plan"]["interpreted_stages"] == ["engine", "profile"]
     assert report["stages"]["profile"]["step_ms"] > 0 and "no CUDA kernels" in report["stages"]["profile"]["note"]
     assert report["ok"] and report["failures"] == [] and report["errors"] == {}
 

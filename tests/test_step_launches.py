@@ -156,32 +156,3 @@ def test_a_mixed_step_of_8_chunks_and_32_decode_rows_launches_as_one_chunk(core,
     run_to_end(core)
     assert mixed <= RATIO * one, (mixed, one)
 
-
-def mix(rows: int, seed: int) -> list[SamplingParams]:
-    """`rows` rows cycling through greedy, temperature, top-k/top-p, penalties, logit_bias and a grammar."""
-    from chatcore.engine.request import ResponseFormat
-
-    kinds = [SamplingParams(max_tokens=3), SamplingParams(max_tokens=3, temperature=0.8, seed=seed),
-             SamplingParams(max_tokens=3, temperature=0.7, top_k=20, top_p=0.9, seed=seed),
-             SamplingParams(max_tokens=3, temperature=0.9, presence_penalty=0.5, frequency_penalty=0.3,
-                            repetition_penalty=1.2, seed=seed),
-             SamplingParams(max_tokens=3, logit_bias=((5, 3.0), (7, -100.0))),
-             SamplingParams(max_tokens=3, temperature=0.5, response_format=ResponseFormat("json_object"), seed=seed)]
-    return [kinds[i % len(kinds)] for i in range(rows)]
-
-
-def decode_step(core: EngineCore, params: list[SamplingParams], count_step, seed: int) -> int:
-    for prompt, sp in zip(prompts(len(params), CHUNK, seed), params, strict=True):
-        core.add(core.make_request(prompt, sp))
-    core.step()
-    counted = count_step(core)
-    run_to_end(core)
-    return counted
-
-
-def test_a_decode_step_of_mixed_sampling_launches_as_one_greedy_row(core, count_step) -> None:
-    one = decode_step(core, [SamplingParams(max_tokens=3)], count_step, 7)
-    six = decode_step(core, mix(6, 8), count_step, 8)
-    many = decode_step(core, mix(24, 9), count_step, 9)
-    print("COUNTS", one, six, many)
-    assert many <= RATIO * one, (many, six, one)

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from chatcore.config import Settings
 from chatcore.kernels import dispatch as kernels
 from chatcore.kernels.unified_attention import check_supported
 
@@ -123,3 +124,14 @@ def test_unsupported_shapes_are_refused_naming_the_supported_values(args: tuple,
     with pytest.raises(ValueError, match="^the Triton attention kernel needs") as refused:
         check_supported(*args)
     assert named in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.model
+def test_an_engine_on_the_triton_route_refuses_an_unsupported_block_size_at_load(loaded_fp32) -> None:
+    from chatcore.engine.core import EngineCore
+    from chatcore.models.errors import UnsupportedModel
+
+    with pytest.raises(UnsupportedModel, match=r"^the Triton attention kernel needs block_size one of "
+                                               r"\(8, 16, 32, 64, 128\), got 12$"):
+        EngineCore(loaded_fp32, Settings(dtype="float32", num_blocks=64, block_size=12))
+    assert EngineCore(loaded_fp32, Settings(dtype="float32", num_blocks=64, block_size=16)).kv.block_size == 16

@@ -32,6 +32,7 @@ from transformers import AttentionInterface
 from chatcore.kernels import dispatch as kernels
 from chatcore.kernels import prefill
 from chatcore.kv.tensors import KVTensors
+from chatcore.models.errors import UnsupportedModel
 from chatcore.models.support import AttentionProbe
 
 ATTENTION_NAME = "chatcore_paged"
@@ -83,6 +84,20 @@ def unified_route(device: torch.device) -> bool:
     """Whether a step on `device` attends through `StepMeta.unified` (the Triton route: CUDA, or the CPU under
     `TRITON_INTERPRET=1`, decided per step as the kernels decide per call)."""
     return kernels.uses_triton(device)
+
+
+def check_route(device: torch.device, head_dim: int, block_size: int, dtype: torch.dtype,
+                kv_dtype: torch.dtype) -> None:
+    """At load, on the Triton route: refuse, with `UnsupportedModel` and one line naming the supported values,
+    a head_dim, block size or dtype its attention kernel cannot serve, rather than fail at the first request."""
+    if not kernels.uses_triton(device):
+        return
+    from chatcore.kernels.unified_attention import check_supported
+
+    try:
+        check_supported(head_dim, block_size, dtype, kv_dtype)
+    except ValueError as refused:
+        raise UnsupportedModel(str(refused)) from None
 
 
 def paged_attention_forward(
