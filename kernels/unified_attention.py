@@ -41,7 +41,7 @@ _MIN_ROWS = 16  # a tile's rows and head_dim padded to one MMA tile (16-bit tl.d
 # program costs ~20 ms of Python whatever its size, 64 (a 60-token chunk: 0.8 s a layer at 16, 0.2 at 64).
 _TILE_ROWS = 16
 _INTERPRETED_TILE_ROWS = 64
-SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
+SUPPORTED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 

@@ -116,7 +116,7 @@ def test_the_output_lands_in_a_strided_out() -> None:
 @pytest.mark.parametrize(("args", "named"), [
     ((20, 16, torch.float16, torch.float16), "head_dim a multiple of 8 from 8 to 256, got 20"),
     ((300, 16, torch.float16, torch.float16), "got 300"),
-    ((64, 12, torch.float16, torch.float16), "block_size one of (8, 16, 32, 64, 128), got 12"),
+    ((64, 12, torch.float16, torch.float16), "block_size one of (1, 2, 4, 8, 16, 32, 64, 128), got 12"),
     ((64, 16, torch.float64, torch.float16), "dtype one of float32, float16, bfloat16, got float64"),
     ((64, 16, torch.float16, torch.int8), "kv_dtype one of float32, float16, bfloat16, got int8"),
 ])
@@ -132,6 +132,6 @@ def test_an_engine_on_the_triton_route_refuses_an_unsupported_block_size_at_load
     from chatcore.models.errors import UnsupportedModel
 
     with pytest.raises(UnsupportedModel, match=r"^the Triton attention kernel needs block_size one of "
-                                               r"\(8, 16, 32, 64, 128\), got 12$"):
+                                               r"\(1, 2, 4, 8, 16, 32, 64, 128\), got 12$"):
         EngineCore(loaded_fp32, Settings(dtype="float32", num_blocks=64, block_size=12))
     assert EngineCore(loaded_fp32, Settings(dtype="float32", num_blocks=64, block_size=16)).kv.block_size == 16
