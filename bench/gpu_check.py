@@ -38,7 +38,7 @@ STAGED = ROOT / ".gpu"  # what `make gpu-prepare` stages (bench/gpu_prepare.py)
 DEFAULT_BUDGET_S = 390  # of the 7 minutes; the rest is the wheels' install and the start
 SUMMARY_KEYS = ("device", "commit", "fp32_exact", "engine_64_defaults_tok_s", "engine_256_defaults_tok_s",
                 "hf_static_compiled_64_tok_s", "hf_eager_64_tok_s", "gpu_busy_share_64", "launches_per_decode_step",
-                "kernel_copy_bw_fraction")
+                "kernel_copy_bw_fraction", "ttft_p50_64_s", "prefill_tok_s_64", "launches_per_prefill_step_64")
 KERNEL_TESTS = "tests/test_kernels_triton.py"
 
 
@@ -173,6 +173,9 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
         "gpu_busy_share_64": _value(stages, "profile", "gpu_busy_share"),
         "launches_per_decode_step": _value(stages, "profile", "launches_per_decode_step"),
         "kernel_copy_bw_fraction": _value(stages, "kernel", "kernel_bw_fraction"),
+        "ttft_p50_64_s": _value(stages, "engine", "runs", 0, "ttft_p50_s"),
+        "prefill_tok_s_64": _value(stages, "engine", "runs", 0, "prefill_tok_s"),
+        "launches_per_prefill_step_64": _value(stages, "profile", "launches_per_prefill_step"),
     }
 
 

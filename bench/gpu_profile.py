@@ -5,6 +5,8 @@ Two figures, both per decode step with every chat decoding (no prompt in the ste
   time, timed without the profiler; a step bound by the host (Python, launches) has a small share;
 - `launches_per_decode_step`: what the host launches a step, counted at the CUDA runtime and driver
   calls (`LAUNCH_CALLS`: kernels, graph replays, asynchronous copies and sets): a replayed graph is one;
+- `launches_per_prefill_step`: the same count over the steps before every chat decodes (the workload's
+  prompts, with the decode rows of the chats already past theirs), profiled as they run;
 - `kernels_per_decode_step` (beside the summary): the CUDA kernels the device runs a step, a graph's
   included (events of device type CUDA). Before 2026-12-04's second run the summary's
   `launches_per_decode_step` held this figure.
@@ -36,14 +38,21 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
+def _launches(prof: Any) -> int:
+    return sum(e.count for e in prof.key_averages() if e.key in LAUNCH_CALLS)
+
+
 def decode_profile(core: EngineCore, device: torch.device, warm_steps: int, steps: int) -> dict[str, Any]:
     """Profile `core`, whose requests were all added: step through the prefill, then `warm_steps` decode steps,
     then `steps` timed without the profiler and `steps` under it. Every request must outlast all of them."""
     sync = _sync(device)
     prefill_steps = 0
-    while core.has_work and not in_full_decode(core):
-        core.step()
-        prefill_steps += 1
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prefill_prof:
+        while core.has_work and not in_full_decode(core):
+            core.step()
+            prefill_steps += 1
+        sync()
     for _ in range(warm_steps):
         core.step()
     chats = len(core.scheduler.running)
@@ -53,7 +62,6 @@ def decode_profile(core: EngineCore, device: torch.device, warm_steps: int, step
         core.step()
     sync()
     step_ms = (time.perf_counter() - started) * 1e3 / steps
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
             core.step()
@@ -64,12 +72,13 @@ def decode_profile(core: EngineCore, device: torch.device, warm_steps: int, step
     result: dict[str, Any] = {"chats": chats, "prefill_steps": prefill_steps, "step_ms": step_ms, "steps": steps}
     if device.type != "cuda":
         return result | {"gpu_busy_share": None, "launches_per_decode_step": None, "kernels_per_decode_step": None,
-                         "note": "no CUDA kernels on the CPU: the step time only"}
+                         "launches_per_prefill_step": None, "note": "no CUDA kernels on the CPU: the step time only"}
     busy_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
     top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:10]
     return result | {
         "gpu_busy_ms": busy_ms, "gpu_busy_share": busy_ms / step_ms,
-        "launches_per_decode_step": sum(e.count for e in prof.key_averages() if e.key in LAUNCH_CALLS) / steps,
+        "launches_per_decode_step": _launches(prof) / steps,
+        "launches_per_prefill_step": _launches(prefill_prof) / max(1, prefill_steps),
         "kernels_per_decode_step": sum(e.count for e in kernels) / steps,
         "top_kernels": [{"name": e.key[:80], "per_step": e.count / steps,
                          "us_per_step": e.self_device_time_total / steps} for e in top]}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -112,6 +113,14 @@ def stage_fidelity(plan: Plan) -> dict[str, Any]:
             "audit_ok": audit_ok}
 
 
+def prefill_tok_s(steps: list[tuple[int, int, float]]) -> float | None:
+    """Prompt tokens computed a second: the scheduled chunks' tokens (cached ones are not scheduled) over the
+    time of the steps that computed them, decode rows beside them included."""
+    tokens = sum(prefill for _, prefill, _ in steps if prefill)
+    seconds = sum(dt for _, prefill, dt in steps if prefill)
+    return tokens / seconds if seconds else None
+
+
 def stage_engine(plan: Plan) -> dict[str, Any]:
     """The engine at default settings on the workload, for each chat count (one model load for both)."""
     from chatcore.bench.engine_runs import run_batch
@@ -130,6 +139,7 @@ def stage_engine(plan: Plan) -> dict[str, Any]:
         runs.append({"chats": chats, "prompt_tokens_mean": sum(map(len, prompts)) / chats,
                      "wall_s": run.wall_s, "tokens": run.output_tokens, "tok_s": run.tok_s,
                      "decode_tok_s": run.decode_tok_s, "cached_tokens": run.cached_tokens,
+                     "ttft_p50_s": statistics.median(run.ttft_s), "prefill_tok_s": prefill_tok_s(run.steps),
                      "settings": {"max_num_seqs": settings.max_num_seqs, "max_batch_tokens": settings.max_batch_tokens,
                                   "num_blocks": core.pool.num_blocks},
                      "audit_ok": _audit_ok(core)})

@@ -79,3 +79,23 @@ def check_copy(key_cache: torch.Tensor, value_cache: torch.Tensor, src: torch.Te
     _require(src.dtype == torch.int64 and dst.dtype == torch.int64, "src and dst must be int64")
     devices = {t.device for t in (key_cache, src, dst)}
     _require(len(devices) == 1, "all tensors must be on one device")
+
+
+def check_unified(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+                  cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor | None) -> None:
+    check_caches(key_cache, value_cache)
+    _require(query.dim() == 3, "query must be [num_tokens, num_heads, head_dim]")
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    _require(query.dtype in _FLOAT_DTYPES, f"unsupported query dtype {query.dtype}")
+    _require(query.shape[2] == key_cache.shape[3], "query and the caches must share head_dim")
+    _require(query.shape[1] % key_cache.shape[2] == 0, "num_heads must be a multiple of num_kv_heads")
+    _require(num_seqs >= 0 and seq_lens.dtype == torch.int32, "seq_lens must be int32 [num_seqs]")
+    _require(tuple(cu_seqlens_q.shape) == (num_seqs + 1,) and cu_seqlens_q.dtype == torch.int32,
+             "cu_seqlens_q must be int32 [num_seqs + 1]")
+    _require(block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.dtype == torch.int32,
+             "block_tables must be int32 [num_seqs, max_blocks_per_seq]")
+    devices = {t.device for t in (query, key_cache, block_tables, cu_seqlens_q, seq_lens)}
+    _require(len(devices) == 1, "all tensors must be on one device")
+    if out is not None:
+        _require(out.shape == query.shape and out.dtype == query.dtype and out.device == query.device,
+                 "out must have the query's shape, dtype and device")

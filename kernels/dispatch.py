@@ -24,11 +24,17 @@ from chatcore.kernels._mode import interpreting
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["AttentionRoute", "copy_blocks", "paged_decode_attention", "route", "store_kv"]
+__all__ = ["AttentionRoute", "copy_blocks", "paged_decode_attention", "route", "store_kv", "unified_attention",
+           "uses_triton"]
 
 
 def _use_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda or (tensor.device.type == "cpu" and interpreting())
+
+
+def uses_triton(device: torch.device) -> bool:
+    """Whether a step on `device` takes the Triton route now (CUDA, or the CPU under `TRITON_INTERPRET=1`)."""
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())
 
 
 def paged_decode_attention(
@@ -69,6 +75,28 @@ def paged_decode_attention(
     if out is None:
         return result
     return out.copy_(result)
+
+
+def unified_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    tile_rows: int | None = None,
+) -> torch.Tensor:
+    """A whole step's attention in one Triton launch: sequence i's rows `query[cu_seqlens_q[i]:cu_seqlens_q[i+1]]`
+    are the last of its `seq_lens[i]` cached tokens (already stored) and attend causally over them, read in
+    place through `block_tables[i]`. Decode rows are sequences of one row. Triton only (CUDA, or the CPU in the
+    interpreter): kernels/unified_attention.py. `tile_rows`: rows of a query tile (None: the mode's default)."""
+    from chatcore.kernels import _validate, unified_attention as impl
+
+    _validate.check_unified(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out)
+    return impl.unified_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, out, tile_rows)
 
 
 def store_kv(

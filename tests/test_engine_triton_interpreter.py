@@ -1,7 +1,8 @@
 """The engine's decode steps run through the Triton kernels (in Triton's interpreter, on CPU
 tensors) and greedy output still equals transformers, token for token, in fp32.
 
-On CUDA the same engine code calls the same three kernels compiled; here `TRITON_INTERPRET=1`
+On CUDA the same engine code calls the same kernels compiled (each step's attention, prefill chunks and
+decode rows together, one `unified_attention` launch a layer); here `TRITON_INTERPRET=1`
 routes `kernels.*` to them at every call (kernels/_triton.py). Small on purpose: the
 interpreter runs each Triton program in Python. Three chat prompts, each longer than two
 blocks: two share a system prompt and run concurrently, one asks for two greedy samples
@@ -17,7 +18,7 @@ import pytest
 import triton  # noqa: F401  imported before TRITON_INTERPRET is set: see kernels/_triton.py
 
 from chatcore.engine.request import SamplingParams
-from chatcore.kernels import cache_ops, paged_decode
+from chatcore.kernels import cache_ops, unified_attention
 from tests.engine_helpers import QUESTIONS, chat_ids, hf_greedy, run_to_end
 
 pytestmark = pytest.mark.model
@@ -30,7 +31,7 @@ def triton_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     """Run the kernels in Triton's interpreter and count the launches of each."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     calls: Counter[str] = Counter()
-    for module, name in ((paged_decode, "paged_decode_attention"), (cache_ops, "store_kv"),
+    for module, name in ((unified_attention, "unified_attention"), (cache_ops, "store_kv"),
                          (cache_ops, "copy_blocks")):
         real = getattr(module, name)
 
@@ -62,5 +63,6 @@ def test_interpreted_kernels_serve_the_engine_exactly(make_core, loaded_fp32, hf
     shared = finals[requests[1].request_id].usage.cached_tokens
     assert shared >= len(chat_ids(tok, "", SYSTEM)) // 4 * 4 - 8, "the second request reuses the system prompt"
     assert core.scheduler.preemptions > 0
-    assert triton_calls["paged_decode_attention"] >= MAX_TOKENS * loaded_fp32.num_layers
+    # Every step's attention, prefill chunks and decode rows together, is one launch a layer.
+    assert triton_calls["unified_attention"] == triton_calls["store_kv"] >= MAX_TOKENS * loaded_fp32.num_layers
     assert triton_calls["store_kv"] > 0 and triton_calls["copy_blocks"] > 0

@@ -25,7 +25,7 @@ from tests.image_env import image_python
 REPO = Path(__file__).resolve().parents[1]
 SUMMARY_KEYS = ["device", "commit", "fp32_exact", "engine_64_defaults_tok_s", "engine_256_defaults_tok_s",
                 "hf_static_compiled_64_tok_s", "hf_eager_64_tok_s", "gpu_busy_share_64", "launches_per_decode_step",
-                "kernel_copy_bw_fraction"]
+                "kernel_copy_bw_fraction", "ttft_p50_64_s", "prefill_tok_s_64", "launches_per_prefill_step_64"]
 IMAGE_ROOTS = ("torch", "triton", "transformers", "pytest", *gpu_prepare.CARRIED)
 
 
@@ -51,10 +51,11 @@ def test_rehearsal_summary_has_exactly_the_keys_and_sane_values(rehearsal) -> No
     assert summary["device"] == "cpu (rehearsal)"
     assert summary["commit"] and summary["fp32_exact"] == "8/8"
     for key in ("engine_64_defaults_tok_s", "engine_256_defaults_tok_s", "hf_static_compiled_64_tok_s",
-                "hf_eager_64_tok_s", "kernel_copy_bw_fraction"):
+                "hf_eager_64_tok_s", "kernel_copy_bw_fraction", "ttft_p50_64_s", "prefill_tok_s_64"):
         assert isinstance(summary[key], float) and summary[key] > 0, (key, summary[key])
     # No CUDA kernels on the CPU: the profile ran (its step time) and says why the two figures are null.
     assert summary["gpu_busy_share_64"] is None and summary["launches_per_decode_step"] is None
+    assert summary["launches_per_prefill_step_64"] is None and report["stages"]["profile"]["prefill_steps"] >= 1
     assert report["stages"]["profile"]["step_ms"] > 0 and "no CUDA kernels" in report["stages"]["profile"]["note"]
     assert report["ok"] and report["failures"] == [] and report["errors"] == {}
 

@@ -39,6 +39,7 @@ from chatcore.engine.scheduler import Scheduler, StepPlan
 from chatcore.engine.step_sampler import StepSampler
 from chatcore.kv.tensors import KVTensors
 from chatcore.models.loader import LoadedModel
+from chatcore.models.paged_attention import check_route
 from chatcore.outcomes import ErrorCode, FinishReason
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ class EngineCore:
         self.loaded = loaded
         self.settings = settings
         self.tokenizer = loaded.tokenizer
+        check_route(loaded.device, loaded.head_dim, settings.block_size, loaded.model.dtype,
+                    kv_storage_dtype(settings, loaded))
         num_blocks = pool_size(settings, loaded)
         self.pool = BlockPool(num_blocks, settings.block_size, low_watermark=settings.low_watermark,
                               high_watermark=settings.high_watermark, debug=settings.debug_audit,

@@ -20,6 +20,7 @@ the graph's static input buffer, padded to the captured size.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ from chatcore.engine.scheduler import ScheduledSeq, StepPlan
 from chatcore.engine.transfers import StepTransfers
 from chatcore.kv.tensors import KVTensors
 from chatcore.models.loader import LoadedModel
-from chatcore.models.paged_attention import PrefillMeta, StepMeta
+from chatcore.models.paged_attention import PrefillMeta, StepMeta, UnifiedMeta, unified_route
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,53 @@ def _token_rows(entries: list[ScheduledSeq]) -> tuple[list[int], list[int], list
     return ids, positions, slots, sample_rows
 
 
+_MetaBuilder = Callable[[torch.Tensor, KVTensors, torch.Tensor], StepMeta]
+
+
+def _pack_split(pack: _Packer, plan: StepPlan, bs: int) -> _MetaBuilder:
+    """The CPU route's metadata: decode rows' tables and lengths, then each prefill chunk's table and span."""
+    decode, prefill = plan.decode, plan.prefill
+    decode_width = max(-(-(e.start + 1) // bs) for e in decode) if decode else 0
+    decode_tables = pack.add(_block_tables(decode, decode_width))
+    decode_lens = pack.add([e.start + 1 for e in decode])
+    max_ctx = max((e.start + e.num_tokens for e in prefill), default=0)
+    prefill_tables = pack.add(_block_tables(prefill, -(-max_ctx // bs)))
+
+    def meta(values: torch.Tensor, kv: KVTensors, slots: torch.Tensor) -> StepMeta:
+        return StepMeta(
+            kv=kv,
+            slot_mapping=slots,
+            num_decode=len(decode),
+            decode_block_tables=pack.take(values, decode_tables).view(len(decode), decode_width) if decode else None,
+            decode_context_lens=pack.take(values, decode_lens) if decode else None,
+            prefill=PrefillMeta(pack.take(values, prefill_tables).view(len(prefill), -1),
+                                tuple(e.start for e in prefill), tuple(e.num_tokens for e in prefill))
+            if prefill else None,
+            decode_max_context=max((e.start + 1 for e in decode), default=0),
+        )
+
+    return meta
+
+
+def _pack_unified(pack: _Packer, plan: StepPlan, bs: int) -> _MetaBuilder:
+    """The Triton route's metadata: every entry (decode rows, then chunks) as one sequence of the step's
+    one attention launch a layer: one table row each, the cumulative row counts and the context lengths."""
+    entries = plan.decode + plan.prefill
+    lengths = [e.start + e.num_tokens for e in entries]
+    width = -(-max(lengths) // bs)
+    tables = pack.add(_block_tables(entries, width))
+    cu_seqlens = pack.add(np.concatenate(([0], np.cumsum([e.num_tokens for e in entries]))))
+    seq_lens = pack.add(lengths)
+
+    def meta(values: torch.Tensor, kv: KVTensors, slots: torch.Tensor) -> StepMeta:
+        unified = UnifiedMeta(pack.take(values, tables).view(len(entries), width), pack.take(values, cu_seqlens),
+                              pack.take(values, seq_lens))
+        return StepMeta(kv=kv, slot_mapping=slots, num_decode=len(plan.decode), decode_block_tables=None,
+                        decode_context_lens=None, prefill=None, unified=unified)
+
+    return meta
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, kv: KVTensors) -> None:
         self.loaded = loaded
@@ -134,35 +182,18 @@ class ModelRunner:
 
     def _eager(self, plan: StepPlan) -> torch.Tensor:
         """Any step through the model's own modules: one upload of every index, the block copies, one forward."""
-        bs = self.block_size
         pack = _Packer()
         copy_at = pack.add_copies(plan.copies)
         ids_at, positions_at, slots_at, rows_at = (pack.add(rows) for rows in _token_rows(plan.decode + plan.prefill))
-        decode = plan.decode
-        decode_width = max(-(-(e.start + 1) // bs) for e in decode) if decode else 0
-        decode_tables = pack.add(_block_tables(decode, decode_width))
-        decode_lens = pack.add([e.start + 1 for e in decode])
-        prefill = plan.prefill
-        max_ctx = max((e.start + e.num_tokens for e in prefill), default=0)
-        prefill_tables = pack.add(_block_tables(prefill, -(-max_ctx // bs)))
-
+        attention = _pack_unified(pack, plan, self.block_size) if unified_route(self.device) \
+            else _pack_split(pack, plan, self.block_size)
         values = self.transfers.upload(pack.packed())
 
         def long(index: int) -> torch.Tensor:
             return pack.take(values, index).long()
 
         pack.copy_blocks(self.kv, values, copy_at)
-        meta = StepMeta(
-            kv=self.kv,
-            slot_mapping=long(slots_at),
-            num_decode=len(decode),
-            decode_block_tables=pack.take(values, decode_tables).view(len(decode), decode_width) if decode else None,
-            decode_context_lens=pack.take(values, decode_lens) if decode else None,
-            prefill=PrefillMeta(pack.take(values, prefill_tables).view(len(prefill), -1),
-                                tuple(e.start for e in prefill), tuple(e.num_tokens for e in prefill))
-            if prefill else None,
-            decode_max_context=max((e.start + 1 for e in decode), default=0),
-        )
+        meta = attention(values, self.kv, long(slots_at))
         out = self.model(input_ids=long(ids_at).unsqueeze(0), position_ids=long(positions_at).unsqueeze(0),
                          use_cache=False, logits_to_keep=long(rows_at), chatcore_step=meta)
         return out.logits[0].float()

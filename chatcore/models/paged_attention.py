@@ -5,8 +5,10 @@ into one row, decode tokens (one per sequence) first, then prefill chunks. The m
 modules do the projections and RoPE (from our `position_ids`); this function receives the
 rotated keys and values of the packed row, writes them into their cache slots, and attends:
 
-* decode tokens through `kernels.paged_decode_attention` over their block tables;
-* prefill chunks one by one, each with a causal attention over its gathered blocks (cached
+* on the Triton route (CUDA, or the CPU under `TRITON_INTERPRET=1`; `StepMeta.unified`), every row, decode
+  and prefill alike, through one `kernels.unified_attention` launch (kernels/unified_attention.py);
+* otherwise decode tokens through `kernels.paged_decode_attention` over their block tables, and
+  prefill chunks one by one, each with a causal attention over its gathered blocks (cached
   prefix + chunk), through `chatcore.kernels.prefill` (kernels/prefill.py), which also holds
   the CPU's faster paths for a chunk that continues cached tokens.
 
@@ -30,6 +32,7 @@ from transformers import AttentionInterface
 from chatcore.kernels import dispatch as kernels
 from chatcore.kernels import prefill
 from chatcore.kv.tensors import KVTensors
+from chatcore.models.errors import UnsupportedModel
 from chatcore.models.support import AttentionProbe
 
 ATTENTION_NAME = "chatcore_paged"
@@ -50,6 +53,17 @@ class PrefillMeta:
     masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)  # kernels/prefill.py's
 
 
+@dataclass(frozen=True, slots=True)
+class UnifiedMeta:
+    """The Triton route's step: each of the step's entries (decode rows first, then chunks) is one sequence of
+    `kernels.unified_attention`. `block_tables` int32 [S, width] (padding holds block 0), `cu_seqlens_q` int32
+    [S + 1] (the packed row's offsets), `seq_lens` int32 [S] (each entry's context, its new tokens included)."""
+
+    block_tables: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+
+
 @dataclass(slots=True)
 class StepMeta:
     """`decode_max_context`: the longest decode context, when the host knows it (no kernel then reads
@@ -63,6 +77,27 @@ class StepMeta:
     prefill: PrefillMeta | None
     decode_max_context: int | None = None
     route: kernels.AttentionRoute | None = None
+    unified: UnifiedMeta | None = None
+
+
+def unified_route(device: torch.device) -> bool:
+    """Whether a step on `device` attends through `StepMeta.unified` (the Triton route: CUDA, or the CPU under
+    `TRITON_INTERPRET=1`, decided per step as the kernels decide per call)."""
+    return kernels.uses_triton(device)
+
+
+def check_route(device: torch.device, head_dim: int, block_size: int, dtype: torch.dtype,
+                kv_dtype: torch.dtype) -> None:
+    """At load, on the Triton route: refuse, with `UnsupportedModel` and one line naming the supported values,
+    a head_dim, block size or dtype its attention kernel cannot serve, rather than fail at the first request."""
+    if not kernels.uses_triton(device):
+        return
+    from chatcore.kernels.unified_attention import check_supported
+
+    try:
+        check_supported(head_dim, block_size, dtype, kv_dtype)
+    except ValueError as refused:
+        raise UnsupportedModel(str(refused)) from None
 
 
 def paged_attention_forward(
@@ -97,6 +132,10 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     [T, kv_heads, D] (views of any strides); writes k and v into their slots, returns [T, heads, D]."""
     key_cache, value_cache = meta.kv.layer(layer)
     k, v = k.to(key_cache.dtype), v.to(value_cache.dtype)
+    if meta.unified is not None:  # the Triton route: one store and one attention launch for every row
+        kernels.store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        u = meta.unified
+        return kernels.unified_attention(q, key_cache, value_cache, u.block_tables, u.cu_seqlens_q, u.seq_lens, scale)
     nd = meta.num_decode
     query = q[:nd].contiguous()
     if meta.route is None:
