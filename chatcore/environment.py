@@ -30,6 +30,7 @@ from chatcore.resources import CHECKOUT
 
 DISTRIBUTION = "chatcore"
 LOCK_NAME = "requirements.lock"
+BENCH_PEER = "llama-cpp-python"  # `make bench-peers` installs it into the venv, off the lock (Makefile)
 # Requirements whose absence no command notices: only the GPU path (and Triton's interpreter) imports
 # triton, so a CPU machine serves without it. A version out of range is still reported.
 MAY_BE_ABSENT = frozenset({"triton"})
@@ -100,15 +101,16 @@ def lock_differences(pins: list[Pin]) -> list[str]:
 
 def unlocked_packages(pins: list[Pin]) -> list[str]:
     """Installed distributions that the lock does not name, less chatcore, the default model's package
-    (`chatcore model fetch` installs it without its dependencies) and those that a locked package's
+    (`chatcore model fetch` installs it without its dependencies), the benchmarks' peer (`make
+    bench-peers` builds it into the same venv) and those that a locked package's or the peer's
     installed build requires (a CUDA build of torch brings its nvidia-* libraries)."""
     locked = {pin.name for pin in pins}
-    allowed = locked | {DISTRIBUTION, canonicalize_name(Requirement(GGUF_PACKAGE).name)}
+    allowed = locked | {DISTRIBUTION, canonicalize_name(Requirement(GGUF_PACKAGE).name), BENCH_PEER}
     names = set()
     for dist in metadata.distributions():
         name = canonicalize_name(dist.metadata["Name"])
         names.add(name)
-        if name in locked:
+        if name in locked or name == BENCH_PEER:
             allowed |= {canonicalize_name(req.name) for req in map(Requirement, dist.requires or [])
                         if req.marker is None or req.marker.evaluate({"extra": ""})}
     return sorted(names - allowed)

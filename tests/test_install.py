@@ -51,6 +51,19 @@ def test_a_package_off_the_lock_is_named_with_both_versions(tmp_path: Path) -> N
     assert done.stderr.splitlines() == [f"chatcore: idna 0.1 is installed; requirements.lock pins {pinned}"]
 
 
+def test_the_bench_peer_and_what_it_requires_are_allowed_off_the_lock(tmp_path: Path) -> None:
+    """`make bench-peers` builds llama-cpp-python into the venv with its requirements: not named; any
+    other package off the lock still is."""
+    for name, requires in (("llama-cpp-python", "diskcache>=5"), ("diskcache-like", ""), ("diskcache", "")):
+        _fake_install(tmp_path, name, "9.9")
+        if requires:
+            metadata = tmp_path / f"{name.replace('-', '_')}-9.9.dist-info" / "METADATA"
+            metadata.write_text(metadata.read_text() + f"Requires-Dist: {requires}\n")
+    done = _run(["-m", "chatcore.environment", "--lock", str(LOCK)], tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == ["chatcore: diskcache-like is installed; requirements.lock does not name it"]
+
+
 def test_a_command_warns_in_one_line_when_a_package_is_off_the_lock(tmp_path: Path) -> None:
     done = _run(["-m", "chatcore.cli", "config", "show"], _fake_install(tmp_path, "idna", "0.1"))
     assert done.returncode == 0, done.stderr
