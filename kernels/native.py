@@ -66,21 +66,12 @@ def _cache_dir() -> Path:
     return root / "chatcore" / "kernels"
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
 def library_name(compiler: str) -> str:
     """The cached library's file name: a hash of the source, flags, compiler version and CPU."""
     version = subprocess.run([compiler, "--version"], check=False, capture_output=True, text=True, timeout=60).stdout
     sources = [source.read_text() for source in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*sources, *FLAGS, *cpu_kind.march(), *LIBS, version, _cpu_flags()]).encode()).hexdigest()
+    flags = " ".join(sorted(cpu_kind.cpu_flags()))
+    key = hashlib.sha256("\0".join([*sources, *FLAGS, *cpu_kind.march(), *LIBS, version, flags]).encode()).hexdigest()
     return f"cpu_kernels-{key[:16]}.so"
 
 
