@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from chatcore.engine.commands import Command
 from chatcore.engine.core import EngineCore
 from chatcore.engine.outputs import RequestOutput
 from chatcore.engine.request import Request, SamplingParams
@@ -167,7 +169,16 @@ def add_all(core: EngineCore, requests: list[Request]) -> None:
         core.add(req)
 
 
-async def on_engine_thread(engine: Any, fn: Any) -> Any:
+@dataclass(frozen=True, slots=True)
+class OnCore(Command[Any]):
+    """White-box tests only: a command the door does not know, which runs `fn(core)`."""
+
+    fn: Callable[[EngineCore], Any]
+
+
+async def on_engine_thread(engine: Any, fn: Callable[[EngineCore], Any]) -> Any:
     """White-box tests only: `fn(core)` on the engine thread, between two steps. The engine's door has
-    no such call (callers send commands); tests that look inside the pool use this."""
-    return await engine._run_on_thread(lambda: fn(engine._core))
+    no such command (callers send the closed set); tests that look inside the pool add `OnCore` to this
+    engine's handlers and send it."""
+    engine._handlers._table[OnCore] = lambda command: command.fn(engine._core)
+    return await engine.send(OnCore(fn))

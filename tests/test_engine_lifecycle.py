@@ -195,7 +195,7 @@ async def test_prefill_quiet_is_clear_until_the_first_token(make_core, loaded_fp
     core = make_core(max_batch_tokens=16)
     engine = InferenceEngine(core)
     seen: list[tuple[bool, bool]] = []  # per step: computed prompt tokens, the gate as the step ran
-    core.on_step.append(lambda plan: seen.append((bool(plan.prefill), engine.prefill_quiet.is_set())))
+    core.on_step.append(lambda plan: seen.append((bool(plan.prefill), engine._events.state.prefill_quiet)))
     engine.start()
     try:
         req = engine.make_request(chat_ids(loaded_fp32.tokenizer, QUESTIONS[0], LONG_SYSTEM),

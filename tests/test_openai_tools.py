@@ -167,7 +167,7 @@ async def test_a_conversation_with_a_call_and_its_result_answers(client, tiny_se
                                                   temperature=0, max_tokens=4)
     assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.tool_calls is None
     engine = tiny_server.services.engine
-    rendered = engine.tokenizer.decode(engine.chat_prompt(parse_messages(msgspec.convert(messages, list[ChatMessage])), TOOLS))  # as the route does
+    rendered = engine.info.tokenizer.decode(engine.chat_prompt(parse_messages(msgspec.convert(messages, list[ChatMessage])), TOOLS))  # as the route does
     assert '"arguments": {"city": "Paris", "days": 3}' in rendered and "Sunny, 21 C." in rendered
     with pytest.raises(openai.BadRequestError, match="tool_call_id"):
         await client.chat.completions.create(model="tiny", max_tokens=2, messages=[

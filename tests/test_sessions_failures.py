@@ -37,7 +37,7 @@ async def test_a_turn_whose_save_fails_ends_with_error_and_done_and_keeps_memory
     # Nothing stays referenced: not the turn's table, not the pin it continued.
     report = await services.engine.send(Audit())
     assert report.ok and report.used == 0, report.format()
-    assert state.id not in services.engine.pinned_sessions
+    assert state.id not in services.engine.state.pinned_sessions
 
     with sqlite3.connect(database_file(services)) as db:
         db.execute("DROP TRIGGER fail_finish")
@@ -130,7 +130,7 @@ async def test_a_turn_whose_bookkeeping_fails_still_sends_done_and_keeps_its_pin
     services.turns.metrics.record_request = broken
     done = await asyncio.wait_for(run_turn(services, state, "Name a colour."), 120)
     assert done["finish_reason"] in ("stop", "length") and state.messages[-1]["role"] == "assistant"
-    assert state.id in services.engine.pinned_sessions  # the turn's table became the session's pin
+    assert state.id in services.engine.state.pinned_sessions  # the turn's table became the session's pin
     await services.engine.send(Unpin(state.id))
     report = await services.engine.send(Audit())
     assert report.ok and report.used == 0, report.format()

@@ -346,7 +346,7 @@ async def test_a_prefetch_makes_room_by_releasing_pins_expected_back_later(make_
         assert c.prefetching is not None
         assert await c.prefetching == range(in_pool, in_pool + missing)
         # b, expected back last, gave its pin up (its blocks stay cached-free); a kept its own.
-        assert services.engine.pinned_sessions == {a.id}
+        assert services.engine.state.pinned_sessions == {a.id}
     finally:
         await on_engine_thread(services.engine, lambda core: filler.release())
     done = await run_turn(services, c, "And now?")

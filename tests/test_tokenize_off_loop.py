@@ -167,7 +167,7 @@ async def test_text_past_the_character_bound_is_refused_untokenized(tmp_path, lo
             httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=120) as http:
         created = (await http.post("/v1/sessions", json={})).json()
         sessions = server.services.sessions
-        context_chars = server.services.engine.max_context * sessions.token_chars
+        context_chars = server.services.engine.info.max_context * sessions.token_chars
         message_chars = settings.max_message_tokens * sessions.token_chars
         for body, headers in (
                 ({"messages": [{"role": "user", "content": MARKER + "x" * context_chars}], "max_tokens": 2}, {}),

@@ -16,6 +16,8 @@ import torch
 
 from chatcore.cache import AuditReport
 from chatcore.cache.pool import PoolStats
+from chatcore.engine.outputs import RequestOutput
+from chatcore.engine.request import Request
 
 R = TypeVar("R")
 
@@ -48,12 +50,12 @@ class AddRequest(Command[int | None]):
     """Queue a request (its prefix prepared first when `prefix` is given). The result is None when it
     was added, or the count of full prompt blocks the pool holds when it declines (see `SessionPrefix`)."""
 
-    request: Any  # a `chatcore.engine.request.Request`
+    request: Request
     prefix: SessionPrefix | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class Abort(Command[Any]):
+class Abort(Command[RequestOutput | None]):
     """End a request in any state; the result is its final `RequestOutput`, or None if it was unknown."""
 
     request_id: str

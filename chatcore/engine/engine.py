@@ -1,15 +1,21 @@
 """The engine's one door: add a request, stream its outputs, abort it, and send it commands.
 
-`EngineCore` runs on one dedicated thread, which alone touches the block pool, the tables
-and the KV tensors. Code outside `chatcore.engine` holds an `InferenceEngine` and nothing of the
-core (tests/test_import_graph.py checks): the model's constants (`block_size`, `max_context`,
-`salt`, ...) are read from here; everything that reads or changes the pool is a typed command
-(`chatcore/engine/commands.py`) that `send` hands to the engine thread, which handles it between
-two steps; its result comes back on the caller's event loop. No caller code runs on the engine
-thread (`check_fits` reads only the pool's size, on the caller's). Leaving a stream early (the
-consumer is cancelled or stops iterating) sends the request's `Abort`, like any other abort, so its
-blocks are always released. What the engine tells callers besides outputs (a lost device) comes out
-as events (`events`, chatcore/engine/events.py), which each caller handles on its own event loop.
+`EngineCore` runs on one dedicated thread, which alone touches the block pool, the tables and the KV
+tensors. Code outside `chatcore.engine` holds an `InferenceEngine` and nothing of the core
+(tests/test_import_graph.py, tests/test_engine_door.py check), and gets facts, never objects:
+- what the engine is, fixed at its start: `info` (`EngineInfo`: sizes, the tokenizer, the
+  fingerprint; never the loaded model);
+- what it is now: `state`, the `EngineSnapshot` the engine thread last published to the caller's
+  event loop (chatcore/engine/snapshot.py), and the `prefill_quiet` gate derived from it;
+- what happened: `events` (a lost device, chatcore/engine/events.py), handled on the caller's loop;
+- everything that reads or changes the pool is a typed command (chatcore/engine/commands.py) that
+  `send` queues for the engine thread, which handles it between two steps; its result comes back on
+  the caller's event loop. The queue holds commands and where their results go, never code: no
+  caller code runs on the engine thread.
+`check_fits` runs on the caller's thread against the pool's limits in `state` (a round trip would
+wait for the running step); `generate` checks again as the engine thread adds the request. Leaving
+a stream early (the consumer is cancelled or stops iterating) sends the request's `Abort`, like any
+other abort, so its blocks are always released.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 import torch
@@ -33,9 +39,14 @@ from chatcore.engine.commands import Abort, AddRequest, Command, SessionPrefix, 
 from chatcore.engine.core import EngineCore
 from chatcore.engine.errors import PrefixOnDisk, describe_failure
 from chatcore.engine.events import DeviceLost, EngineEvent, EngineEvents
+from chatcore.engine.fits import check_fits
 from chatcore.engine.grammar import GrammarCompiler
+from chatcore.engine.info import EngineInfo
 from chatcore.engine.outputs import RequestOutput
 from chatcore.engine.request import Request, SamplingParams
+from chatcore.engine.queued import Queued, Reply, Stream
+from chatcore.engine.snapshot import EngineSnapshot
+from chatcore.kv.tensors import KVTensors
 from chatcore.models.loader import LoadedModel
 from chatcore.outcomes import ErrorCode, FinishReason
 
@@ -49,56 +60,45 @@ class EngineStopped(RuntimeError):
     pass
 
 
-class _Stream:
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.abandoned = False  # set by the consumer as it leaves: nothing more is delivered
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        if not self.abandoned:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+def engine_info(core: EngineCore) -> EngineInfo:
+    """The facts of `core`'s model and cache that the door hands out."""
+    loaded = core.loaded
+    return EngineInfo(
+        model_name=loaded.path.name, device=str(loaded.device), model_dtype=loaded.dtype_name,
+        fingerprint=loaded.fingerprint, tokenizer=core.tokenizer, stop_token_ids=frozenset(loaded.stop_token_ids),
+        block_size=core.pool.block_size, max_context=core.scheduler.max_context,
+        max_num_seqs=core.scheduler.max_num_seqs, vocab_size=core.vocab_size,
+        kv_dtype=str(core.kv.dtype).removeprefix("torch."),
+        kv_bytes_per_token=KVTensors.bytes_per_block(loaded.num_layers, 1, loaded.num_kv_heads, loaded.head_dim,
+                                                     core.kv.dtype))
 
 
 class InferenceEngine:
+    # What the door hands out besides its methods (tests/test_engine_door.py reads these names).
+    info: EngineInfo  # built before the engine thread starts: any thread may read it
+    # Compiles `response_format`s (the callers' half; the matchers stay in the core): thread-safe, and
+    # slow (`compile_async` compiles on its pool, off the event loop).
+    grammar_compiler: GrammarCompiler
+
     def __init__(self, core: EngineCore) -> None:
         self._core = core
-        # Constants, read before the engine thread starts, so that any thread may use them.
-        self.loaded: LoadedModel = core.loaded
-        self.tokenizer: Any = core.tokenizer
-        self.block_size: int = core.pool.block_size
-        self.max_context: int = core.scheduler.max_context  # the longest prompt + max_tokens, in tokens
-        self.max_num_seqs: int = core.scheduler.max_num_seqs  # sequences running at once at most
-        self.vocab_size: int = core.vocab_size
-        self.kv_dtype: torch.dtype = core.kv.dtype
-        # Compiles `response_format`s (the callers' half; the matchers stay in the core): thread-safe, and
-        # slow (`compile_async` compiles on its pool, off the event loop).
-        self.grammar_compiler: GrammarCompiler = core.grammar_compiler
+        self.info = engine_info(core)
+        self.grammar_compiler = core.grammar_compiler
         self._handlers = CommandHandlers(core, self._dispatch)
-        # Published by the engine thread (after each step, and each command, before its result): read
-        # on the event loop. The scheduler's count, and the sessions whose chains are pinned.
-        self.preemptions = 0
-        self.pinned_sessions: frozenset[str] = frozenset()
+        self._failure: str | None = None  # why the last step failed (engine thread; published in `state`)
         self._pins_tended = 0.0
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Queued] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
         self._stopping = False
         # Guards `_stopping` against `_submit`: once it is set, no command enters the queue, and the
         # thread runs every command queued before it (the last drain), so no caller waits forever.
+        # The engine thread reads the queue's emptiness under it too, so that it never publishes
+        # `prefill_quiet` while a request is queued.
         self._submit_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="chatcore-engine", daemon=True)
-        # Set while no request awaits its first token. Background work that competes for the
-        # cores (the disk tier's writes) waits for it, so a prefill that users wait on runs alone.
-        # Cleared (under `_submit_lock`) when a request is submitted, set by the engine thread only
-        # when no command is queued and no request awaits a first token: never set too early.
-        self.prefill_quiet = threading.Event()
-        self.prefill_quiet.set()
-        # Why the last step failed, set by the engine thread and cleared when a step computes again:
-        # readiness reads it (chatcore/engine/warmup.py).
-        self.failure: str | None = None
-        # Published by the engine thread, handled on each subscriber's loop (`events`).
-        self._events = EngineEvents()
+        # Published by the engine thread, handled on each subscriber's loop (`events`, `state`).
+        self._events = EngineEvents(self._snapshot(pinned=frozenset(), quiet=True))
 
     @classmethod
     def launch(cls, settings: Settings, loaded: LoadedModel) -> InferenceEngine:
@@ -131,14 +131,15 @@ class InferenceEngine:
             try:
                 self._drain_commands()
                 self._tend_pins()
-                self._publish_quiet()
+                self._publish_state()
                 computed = self._core.has_work and self._step()
                 if not computed:
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
             except Exception as exc:  # never let one bad step kill the server
                 log.exception("engine loop error")
-                self.failure = describe_failure(exc)
+                self._failure = describe_failure(exc)
+                self._publish_state()
                 self._fail_all(exc)
         while True:  # run what was queued after the loop's last drain
             try:
@@ -147,7 +148,7 @@ class InferenceEngine:
             except Exception:
                 log.exception("engine command failed at shutdown")
         self._fail_all(EngineStopped("the engine is shutting down"))
-        self.prefill_quiet.set()  # nothing will compute again: let the waiting writers go
+        self._publish_state()  # nothing computes or is queued any more: quiet, so waiting writers go
         self._events.close()
 
     def _step(self) -> bool:
@@ -157,14 +158,12 @@ class InferenceEngine:
         outputs = core.step()
         computed = core.steps != before
         if computed or core.step_failure is not None:  # a step that ran the model, or failed to
-            self.failure = core.step_failure
+            self._failure = core.step_failure
         if core.device_lost is not None:
             self._lose_device(core.device_lost)
-        self.preemptions = core.scheduler.preemptions
-        self._publish_pins()  # before the outputs: a finished turn's caller finds its session pinned
+        self._publish_state()  # before the outputs: a finished turn's caller finds its session pinned
         for out in outputs:
             self._dispatch(out)
-        self._publish_quiet()
         return computed
 
     def _tend_pins(self) -> None:
@@ -172,12 +171,29 @@ class InferenceEngine:
         if now - self._pins_tended >= PIN_TENDING_S:
             self._pins_tended = now
             self._core.tend_pins()
-            self._publish_pins()
 
-    def _publish_pins(self) -> None:
+    def _publish_state(self) -> None:
+        """Publish the engine's state to every caller's view, if it changed since it was last published."""
+        last = self._events.state
         pinned = self._core.kv_cache.pinned_sessions
-        if len(pinned) != len(self.pinned_sessions) or not self.pinned_sessions.issuperset(pinned):
-            self.pinned_sessions = frozenset(pinned)
+        if len(pinned) != len(last.pinned_sessions) or not last.pinned_sessions.issuperset(pinned):
+            last_pinned = frozenset(pinned)
+        else:
+            last_pinned = last.pinned_sessions
+        state = self._snapshot(pinned=last_pinned, quiet=self._quiet())
+        if state != last:
+            self._events.publish_state(state)
+
+    def _snapshot(self, *, pinned: frozenset[str], quiet: bool) -> EngineSnapshot:
+        core = self._core
+        return EngineSnapshot(core.kv_cache.limits(), self._failure, quiet, pinned, core.scheduler.preemptions)
+
+    def _quiet(self) -> bool:
+        """No request awaits its first token, and none is queued (nor any other command)."""
+        if self._core.awaiting_first_token:
+            return False
+        with self._submit_lock:
+            return self._commands.empty()
 
     def _lose_device(self, cause: str) -> None:
         """Stop taking work (each later call gets `EngineStopped`), and publish `DeviceLost`."""
@@ -189,18 +205,26 @@ class InferenceEngine:
     def _drain_commands(self) -> None:
         while True:
             try:
-                command = self._commands.get_nowait()
+                item = self._commands.get_nowait()
             except queue.Empty:
                 return
-            command()
+            self._handle(item)
 
-    def _publish_quiet(self) -> None:
-        if self._core.awaiting_first_token:
-            self.prefill_quiet.clear()
+    def _handle(self, item: Queued) -> None:
+        """Handle one queued command; publish the state it left, then hand its result back."""
+        try:
+            result = self._handlers.handle(item.command)
+        except BaseException as exc:
+            self._publish_state()
+            if item.reply is None:
+                raise
+            item.reply.error(exc)  # delivered to the caller
             return
-        with self._submit_lock:  # a request submitted meanwhile is still in the queue
-            if self._commands.empty():
-                self.prefill_quiet.set()
+        if item.stream is not None and isinstance(item.command, AddRequest) and result is None:
+            self._streams[item.command.request.request_id] = item.stream  # added: its outputs go there
+        self._publish_state()
+        if item.reply is not None:
+            item.reply.result(result)
 
     def _dispatch(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
@@ -222,61 +246,47 @@ class InferenceEngine:
             self._streams.pop(request_id, None)
             stream.put(exc)
 
-    def _submit(self, command: Callable[[], None], *, prefill: bool = False) -> None:
-        """`prefill`: the command adds a request, which will await its first token."""
+    def _submit(self, item: Queued) -> None:
         with self._submit_lock:
             if self._stopping:
                 raise EngineStopped("the engine is shutting down")
-            self._commands.put(command)
-            if prefill:
-                self.prefill_quiet.clear()
+            self._commands.put(item)
         self._wake.set()
+
+    # ----- what the engine is now --------------------------------------------------------------
+    @property
+    def state(self) -> EngineSnapshot:
+        """The engine's last published state, on the caller's event loop: failure, pins, preemptions, pool."""
+        return self._events.view().snapshot
+
+    @property
+    def prefill_quiet(self) -> threading.Event:
+        """Set while no request awaits its first token: the disk tier's writer waits for it (read the
+        gate on any thread; take it on an event loop, whose view keeps it)."""
+        return self._events.view().prefill_quiet
+
+    def check_fits(self, request: Request) -> None:
+        """`RequestRejected` for a request that can never fit the context or the pool: on the caller's
+        thread, against the pool's limits in `state` (a round trip to the engine thread waited for the
+        running step: a prefill chunk, ~200 ms on two cores); `generate` checks again as it adds it."""
+        check_fits(request, self.info.max_context, self.state.pool)
 
     # ----- the async API ---------------------------------------------------------------------
     async def send(self, command: Command[T]) -> T:
         """Have the engine thread handle `command` between two steps; its result."""
-        return await self._run_on_thread(lambda: self._handlers.handle(command))
+        reply: Reply[T] = Reply()
+        self._submit(Queued(command, reply))
+        return await reply.future
 
     def _post(self, command: Command[Any]) -> None:
         """Have the engine thread handle `command` as `send` does, its result dropped: for a caller that
         cannot await (a stream's consumer leaving, its loop maybe closing). `EngineStopped` once stopping."""
-
-        def handle() -> None:
-            self._handlers.handle(command)
-            self._publish_pins()
-
-        self._submit(handle)
+        self._submit(Queued(command))
 
     def events(self) -> AsyncIterator[EngineEvent]:
         """The engine's events (chatcore/engine/events.py) on the caller's event loop, those already
         published first, until the engine's thread ends."""
         return self._events.subscribe()
-
-    async def _run_on_thread(self, fn: Callable[[], T], *, prefill: bool = False) -> T:
-        """`prefill`: `fn` adds a request (see `prefill_quiet`)."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-
-        def command() -> None:
-            try:
-                result = fn()
-                self._publish_pins()
-            except BaseException as exc:  # delivered to the caller
-                loop.call_soon_threadsafe(_set_exception, future, exc)
-            else:
-                loop.call_soon_threadsafe(_set_result, future, result)
-
-        self._submit(command, prefill=prefill)
-        return await future
-
-    def check_fits(self, request: Request) -> None:
-        """`RequestRejected` for a request that can never fit the context or the pool.
-
-        Checked on the caller's thread: it reads the context and the pool's size, nothing the
-        engine thread changes but a resize, and `generate` checks again when it adds the request.
-        A round trip to the engine thread waited for the running step (a prefill chunk: ~200 ms
-        on two cores) before a turn could even write its rows."""
-        self._core.scheduler.check_fits(request)
 
     async def stats(self) -> PoolStats:
         """The pool's blocks by state, counted on the engine thread."""
@@ -289,16 +299,8 @@ class InferenceEngine:
         turn's, prepared as the request is added, in the same round trip (each one waits for the
         running step); `PrefixOnDisk` when it declines, before anything is streamed.
         """
-        stream = _Stream(asyncio.get_running_loop())
-        command = AddRequest(request, prefix)
-
-        def add() -> int | None:
-            declined = self._handlers.handle(command)
-            if declined is None:
-                self._streams[request.request_id] = stream
-            return declined
-
-        declined = await self._run_on_thread(add, prefill=True)
+        stream = Stream(asyncio.get_running_loop())
+        declined = await self._add(AddRequest(request, prefix), stream)
         if declined is not None:
             raise PrefixOnDisk(declined)
         finished = False
@@ -317,10 +319,21 @@ class InferenceEngine:
                 with contextlib.suppress(EngineStopped):  # a stopping engine fails every request itself
                     self._post(Abort(request.request_id))
 
+    async def _add(self, command: AddRequest, stream: Stream) -> int | None:
+        """Send `command`, its outputs to `stream` once it is added; this loop's prefill gate stays clear
+        until the engine thread has answered (its state then says whether a prefill runs)."""
+        view = self._events.view()
+        reply: Reply[int | None] = Reply()
+        view.add_sent()
+        try:
+            self._submit(Queued(command, reply, stream))
+            return await reply.future
+        finally:
+            view.add_answered()
+
     async def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request in any state; its stream ends with finish reason `cancelled`."""
-        output: RequestOutput | None = await self.send(Abort(request_id))
-        return output
+        return await self.send(Abort(request_id))
 
     def make_request(self, prompt: list[int], params: SamplingParams, **kwargs: Any) -> Request:
         return self._core.make_request(prompt, params, **kwargs)
@@ -328,16 +341,7 @@ class InferenceEngine:
     def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of `messages` (and `tools`, for a template that takes them) rendered by the model's
         chat template, with the generation prompt."""
-        ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False)
+        ids = self.info.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=True, return_dict=False)
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
-
-def _set_result(future: asyncio.Future[Any], value: Any) -> None:
-    if not future.done():
-        future.set_result(value)
-
-
-def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)

@@ -1,9 +1,11 @@
 """The engine's events: what its output side tells callers besides each request's outputs (as vLLM's
-engine core reports itself dead on its output queue). One today: `DeviceLost`.
+engine core reports itself dead on its output queue). Two kinds: `DeviceLost`, an event each
+subscriber gets once (`subscribe`), and the engine's state, an `EngineSnapshot` that each event
+loop's `EngineView` keeps, the latest one winning (`publish_state`, `view`; chatcore/engine/snapshot.py).
 
 Invariants:
-- the engine thread publishes an event and runs no caller code: `publish` only queues the event on
-  each subscriber's event loop (`call_soon_threadsafe`), and the subscriber handles it there;
+- the engine thread publishes an event and runs no caller code: `publish` and `publish_state` only
+  queue the event on each subscriber's event loop (`call_soon_threadsafe`), and it is handled there;
 - a subscriber gets every event published before it subscribed, then each later one, in order, once:
   a lost device is a state, and a caller that subscribes after the loss still learns of it;
 - every subscription ends once the engine's thread has ended (`close`); a subscriber whose event loop
@@ -16,6 +18,8 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+
+from chatcore.engine.snapshot import EngineSnapshot, EngineView
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +36,42 @@ _Subscriber = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[EngineEvent | None
 
 
 class EngineEvents:
-    def __init__(self) -> None:
+    def __init__(self, state: EngineSnapshot) -> None:
+        """`state`: the engine's state before its thread starts."""
         self._lock = threading.Lock()  # the engine thread publishes, event loops subscribe
         self._published: list[EngineEvent] = []
         self._subscribers: list[_Subscriber] = []
         self._closed = False
+        self._state = state
+        self._views: dict[asyncio.AbstractEventLoop, EngineView] = {}
+
+    @property
+    def state(self) -> EngineSnapshot:
+        """The last state published: for the engine thread, which publishes it."""
+        return self._state
+
+    def publish_state(self, state: EngineSnapshot) -> None:
+        """On the engine thread: `state` replaces the last one in every event loop's view."""
+        with self._lock:
+            self._state = state
+            views = list(self._views.items())
+        for loop, view in views:
+            try:
+                loop.call_soon_threadsafe(view.receive, state)
+            except RuntimeError:  # its loop has closed
+                with self._lock:
+                    self._views.pop(loop, None)
+
+    def view(self) -> EngineView:
+        """The running event loop's view of the engine's state (made, with the last state, on first use)."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            view = self._views.get(loop)
+            if view is None:
+                for closed in [other for other in self._views if other.is_closed()]:
+                    del self._views[closed]
+                view = self._views[loop] = EngineView(self._state)
+        return view
 
     def publish(self, event: EngineEvent) -> None:
         """On the engine thread: queue `event` for every subscriber, and for those to come."""

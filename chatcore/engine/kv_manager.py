@@ -40,7 +40,7 @@ import torch
 
 from chatcore.cache import BlockPool, BlockTable, longest_prefix
 from chatcore.engine.commands import SessionPrefix
-from chatcore.engine.errors import RequestRejected
+from chatcore.engine.fits import PoolLimits
 from chatcore.engine.pins import keeps_pin
 from chatcore.engine.request import Request, TokenSequence
 from chatcore.kv.tensors import KVTensors
@@ -71,22 +71,10 @@ class KVCacheManager:
             table.release()
 
     # ----- what may ever fit ------------------------------------------------------------------
-    def worst_case_blocks(self, req: Request) -> int:
-        """The most blocks a request may hold at once: its prompt, and each sequence's output plus a copied block."""
-        bs = self.block_size
-        prompt_blocks = -(-len(req.prompt) // bs)
-        per_seq = -(-req.params.max_tokens // bs) + 1
-        return prompt_blocks + req.params.num_sequences * per_seq
-
-    def check_fits(self, req: Request) -> None:
-        """Raise `RequestRejected` for a request the pool could never serve (it reads only the pool's size)."""
-        prompt_blocks = -(-len(req.prompt) // self.block_size)
-        admits = self.pool.num_blocks - self.pool.low_watermark_blocks
-        if prompt_blocks > admits:
-            raise RequestRejected(f"the prompt needs {prompt_blocks} KV blocks; the pool admits at most {admits}")
-        if self.worst_case_blocks(req) > self.pool.num_blocks:
-            raise RequestRejected(f"prompt + max_tokens may need {self.worst_case_blocks(req)} KV blocks; "
-                                  f"the pool has {self.pool.num_blocks}")
+    def limits(self) -> PoolLimits:
+        """The pool's size as admission sees it (`chatcore.engine.fits`)."""
+        num_blocks = self.pool.num_blocks
+        return PoolLimits(self.block_size, num_blocks, num_blocks - self.pool.low_watermark_blocks)
 
     # ----- admission -------------------------------------------------------------------------
     def prepare(self, req: Request, prefix: SessionPrefix) -> int | None:

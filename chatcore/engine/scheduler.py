@@ -38,7 +38,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from chatcore.engine import fair_share
-from chatcore.engine.errors import QueueFull, RequestRejected
+from chatcore.engine.errors import QueueFull
+from chatcore.engine.fits import check_fits
 from chatcore.engine.kv_manager import KVCacheManager
 from chatcore.engine.request import Request, RequestState, TokenSequence
 from chatcore.outcomes import ErrorCode, FinishReason
@@ -110,13 +111,7 @@ class Scheduler:
 
     # ----- admission control -----------------------------------------------------------------
     def check_fits(self, req: Request) -> None:
-        total = len(req.prompt) + req.params.max_tokens
-        if not req.prompt:
-            raise RequestRejected("the prompt is empty")
-        if total > self.max_context:
-            raise RequestRejected(f"prompt ({len(req.prompt)} tokens) + max_tokens ({req.params.max_tokens}) "
-                                  f"exceeds the model's context of {self.max_context} tokens")
-        self.kv_cache.check_fits(req)
+        check_fits(req, self.max_context, self.kv_cache.limits())
 
     def add(self, req: Request) -> None:
         self.check_fits(req)

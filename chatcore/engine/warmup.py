@@ -4,7 +4,7 @@ The server runs it once after the model loads and before it reports ready. A fai
 kernel that does not import or build, a device error, a model that loads but cannot generate)
 stops the start: `chatcore serve` logs one line with the cause and exits non-zero, so a
 supervisor restarts it or alerts. Later, while the engine's last step failed
-(`InferenceEngine.failure`), `/readyz` runs the same generation again, one at a time: a
+(its `state.failure`), `/readyz` runs the same generation again, one at a time: a
 transient failure heals on the next check that generates, a lasting one keeps the server out of
 rotation with its cause. A lost device is for good: readiness learns of it from the engine's
 `DeviceLost` event, on the event loop, and every later check fails with its cause.
@@ -91,7 +91,7 @@ class Readiness:
             await self.engine.stats()
         except EngineStopped as exc:
             raise NotReady(describe_failure(exc)) from exc
-        failure = self.engine.failure
+        failure = self.engine.state.failure
         if failure is None:
             return
         if self._probing.locked():

@@ -111,13 +111,13 @@ def _sse(data: dict[str, Any]) -> str:
 async def completions(data: CompletionRequest, services: Services, principal: Principal) -> Response[Any]:
     refuse_unimplemented(data, UNIMPLEMENTED)
     refuse_stream_options_without_stream(data.stream, data.stream_options)
-    vocab_size = services.engine.vocab_size
+    vocab_size = services.engine.info.vocab_size
     prompt = _prompt(data.prompt, vocab_size)
     # `logprobs: k`: each token's log-prob and its k best alternatives.
     params = sampling_params(data, services.settings, vocab_size=vocab_size, max_tokens=data.max_tokens,
                              logprobs=data.logprobs is not None, top_logprobs=data.logprobs or 0,
                              default_temperature=1.0, default_max_tokens=16)
-    events = engine_events(services, principal.tenant_id, _prompt_ids(services.engine.tokenizer, prompt), params,
+    events = engine_events(services, principal.tenant_id, _prompt_ids(services.engine.info.tokenizer, prompt), params,
                            data.max_tokens is not None, chars=len(prompt) if isinstance(prompt, str) else 0)
     completion = TextCompletion(services, services.sessions.token_texts if params.logprobs else None)
     if data.stream:

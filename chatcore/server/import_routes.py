@@ -52,7 +52,7 @@ def _messages(raw: list[ImportedMessage]) -> list[dict[str, str]]:
 
 def import_limits(services: Services) -> tuple[int, int]:
     """The largest import, in tokens and in characters (`import_context_multiple` contexts)."""
-    tokens = int(services.settings.import_context_multiple * services.engine.max_context)
+    tokens = int(services.settings.import_context_multiple * services.engine.info.max_context)
     return tokens, min(MAX_TOTAL_CHARS, tokens * CHARS_PER_TOKEN)
 
 
@@ -114,7 +114,7 @@ async def _fill(services: Services, state: SessionState, messages: list[dict[str
             raise ApiError(ErrorCode.TOO_LARGE,
                            f"the import is {len(tokens)} tokens; the limit is {max_tokens} "
                            f"({services.settings.import_context_multiple:g} contexts of "
-                           f"{services.engine.max_context})")
+                           f"{services.engine.info.max_context})")
         async with services.sessionmaker() as db, db.begin():
             repos = Repos(db)
             for m in messages:

@@ -180,14 +180,14 @@ async def engine_events(services: Services, principal_tenant: str, prompt_of: Ca
     grammar is compiled here, within the tenant's slot. A default `max_tokens` (not `max_tokens_given`)
     shrinks to the context the prompt leaves."""
     engine = services.engine
-    services.sessions.check_chars(chars, engine.max_context, "the prompt", "the context")
+    services.sessions.check_chars(chars, engine.info.max_context, "the prompt", "the context")
     slots = services.sessions.slots  # the same per-tenant bound as session turns, in sequences
     slots.take(principal_tenant, params.num_sequences)  # before the first await: tokenizing and compiling count too
     final: RequestOutput | None = None
     try:
         prompt = await services.sessions.tokenize(principal_tenant, prompt_of)
         params = await compile_response_format(engine.grammar_compiler, params, principal_tenant)
-        context = engine.max_context
+        context = engine.info.max_context
         if not max_tokens_given and len(prompt) < context:
             params = replace(params, max_tokens=min(params.max_tokens, context - len(prompt)))
         request = engine.make_request(prompt, params, scope_key=services.sessions.scope_key(principal_tenant),
@@ -264,7 +264,7 @@ async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletion
     refuse_stream_options_without_stream(data.stream, data.stream_options)
     messages = parse_messages(data.messages)
     max_tokens = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
-    params = sampling_params(data, services.settings, vocab_size=services.engine.vocab_size,
+    params = sampling_params(data, services.settings, vocab_size=services.engine.info.vocab_size,
                              max_tokens=max_tokens, logprobs=bool(data.logprobs), top_logprobs=data.top_logprobs or 0,
                              default_temperature=1.0, default_max_tokens=512)
     tools = _tools(services, data, messages)

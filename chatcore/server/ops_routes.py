@@ -80,7 +80,7 @@ async def metrics_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None
 async def metrics(services: Services) -> Response[bytes]:
     """O(1): the counters catch up with two running totals; the gauges are `GaugeRefresher`'s."""
     m = services.metrics
-    m.catch_up(m.preemptions, services.engine.preemptions)
+    m.catch_up(m.preemptions, services.engine.state.preemptions)
     # Corrupt, truncated or foreign block files the disk tier refused to use.
     m.catch_up(m.disk_blocks_rejected, services.disk.rejected if services.disk is not None else 0)
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

@@ -21,7 +21,6 @@ from chatcore.engine.commands import NumBlocks
 from chatcore.engine.engine import InferenceEngine
 from chatcore.engine.warmup import NotReady, Readiness, warm_up
 from chatcore.kv.sizing import describe, disk_budget_bytes, holds
-from chatcore.kv.tensors import KVTensors
 from chatcore.metrics import Metrics
 from chatcore.models.loader import LoadedModel, load_model
 from chatcore.outcomes import FinishReason
@@ -70,6 +69,7 @@ class Services:
             local = await Repos(session).tenants.get_or_create_tenant(LOCAL_TENANT)
         loaded = loaded or await asyncio.to_thread(load_model, settings)
         engine = await asyncio.to_thread(InferenceEngine.launch, settings, loaded)
+        info = engine.info
         try:
             await warm_up(engine)
         except NotReady as exc:
@@ -81,11 +81,11 @@ class Services:
         disk = None
         disk_bytes = disk_budget_bytes(settings.kv_disk_gb, settings.resolved_kv_disk_dir)
         if disk_bytes > 0:
-            disk = DiskTier(settings.resolved_kv_disk_dir, loaded.fingerprint, disk_bytes, sessionmaker,
+            disk = DiskTier(settings.resolved_kv_disk_dir, info.fingerprint, disk_bytes, sessionmaker,
                             quiet=engine.prefill_quiet)
             await disk.sweep()  # what a crash left behind, before the budget counts files
         tiers = await kv_tiers(engine, disk_bytes)
-        log.info("engine: %s on %s in %s; KV tiers: %s; %s", loaded.path.name, loaded.device, loaded.dtype_name,
+        log.info("engine: %s on %s in %s; KV tiers: %s; %s", info.model_name, info.device, info.model_dtype,
                  describe("device pool", tiers["device"]),
                  describe("disk tier", tiers["disk"]) if tiers["disk"] else "no disk tier")
         manager = SessionManager(engine, sessionmaker, settings, metrics, disk, open_tenant=local.id)
@@ -100,12 +100,12 @@ class Services:
         readiness = Readiness(engine)
         readiness.start(on_device_lost)  # a loss before this is replayed to it
         return cls(settings, db, sessionmaker, engine, metrics, manager, turns, residency, policy, disk, local.id,
-                   loaded.path.name, tiers, readiness)
+                   info.model_name, tiers, readiness)
 
     def limits(self) -> dict[str, int]:
         """What a client may ask for: the largest `max_tokens`, the longest message and the context, in tokens."""
         return {"max_tokens": self.settings.max_tokens_limit, "max_message_tokens": self.settings.max_message_tokens,
-                "context": self.engine.max_context}
+                "context": self.engine.info.max_context}
 
     async def stop(self) -> None:
         await self.policy.stop()
@@ -129,11 +129,10 @@ class Services:
 
 async def kv_tiers(engine: InferenceEngine, disk_bytes: int) -> dict[str, Any]:
     """Each KV tier's size in bytes, tokens and whole sessions of 1k and 4k tokens."""
-    loaded = engine.loaded
-    per_token = KVTensors.bytes_per_block(loaded.num_layers, 1, loaded.num_kv_heads, loaded.head_dim, engine.kv_dtype)
-    per_block = per_token * engine.block_size
+    info = engine.info
+    per_token = info.kv_bytes_per_token
+    per_block = per_token * info.block_size
     num_blocks = await engine.send(NumBlocks())
-    device = {"device": str(loaded.device), "model_dtype": loaded.dtype_name,
-              "dtype": str(engine.kv_dtype).removeprefix("torch."), "blocks": num_blocks,
+    device = {"device": info.device, "model_dtype": info.model_dtype, "dtype": info.kv_dtype, "blocks": num_blocks,
               **holds(num_blocks * per_block, per_token)}
     return {"device": device, "disk": holds(disk_bytes, per_token) if disk_bytes > 0 else None}

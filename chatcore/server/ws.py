@@ -275,7 +275,7 @@ class Connection:
             raise ApiError(ErrorCode.UNSUPPORTED_PARAMETER,
                            "tools are not available in sessions (a session keeps no tool "
                            "calls); use POST /v1/chat/completions with the whole conversation")
-        params = sampling_params(fields, services.settings, vocab_size=services.engine.vocab_size,
+        params = sampling_params(fields, services.settings, vocab_size=services.engine.info.vocab_size,
                                  max_tokens=fields.max_tokens, logprobs=bool(fields.logprobs),
                                  top_logprobs=fields.top_logprobs or 0, default_max_tokens=256,
                                  default_temperature=0.7)

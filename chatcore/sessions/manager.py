@@ -59,15 +59,15 @@ class SessionManager:
         self.settings = settings
         self.metrics = metrics
         self.disk = disk
-        loaded = engine.loaded
-        self.fingerprint = loaded.fingerprint
-        self.template = ChatTemplate(loaded.tokenizer, loaded.stop_token_ids)
-        self.token_texts = TokenTexts(loaded.tokenizer)  # log-probs' token texts, for every route
-        self.token_chars = longest_token(loaded.tokenizer)  # the most characters a generated token adds
+        info = engine.info
+        self.fingerprint = info.fingerprint
+        self.template = ChatTemplate(info.tokenizer, info.stop_token_ids)
+        self.token_texts = TokenTexts(info.tokenizer)  # log-probs' token texts, for every route
+        self.token_chars = longest_token(info.tokenizer)  # the most characters a generated token adds
         self.quota = StoreQuota(sessionmaker, settings.max_stored_chars_per_tenant)
         self._tokenizer = FairTokenizer()
         self.live: dict[str, SessionState] = {}
-        self.slots = TenantSlots(settings, engine.max_num_seqs, open_tenant)  # sequences in flight per tenant
+        self.slots = TenantSlots(settings, engine.info.max_num_seqs, open_tenant)  # sequences in flight per tenant
         self._loading: dict[str, asyncio.Lock] = {}
         self.leases = LeaseKeeper(sessionmaker, settings,
                                   running=lambda: [sid for sid, s in self.live.items() if s.turn_running])
@@ -97,7 +97,7 @@ class SessionManager:
         anything is stored, for a system prompt that leaves no room for a turn; the system prompt counts
         against the tenant's store quota."""
         if system_prompt:
-            self.check_chars(len(system_prompt), self.engine.max_context, "the system prompt", "the context")
+            self.check_chars(len(system_prompt), self.engine.info.max_context, "the system prompt", "the context")
             await check_room_for_a_turn(system_prompt, self.template, self.engine, partial(self.tokenize, tenant_id))
         async with (self.quota.hold(tenant_id, len(system_prompt or ""), "the system prompt"),
                     self.sessionmaker() as db, db.begin()):
@@ -284,7 +284,8 @@ class SessionManager:
         } for r in rows]
 
     def state_of(self, session_id: str, stored: str = "cold") -> str:
-        if session_id in self.engine.pinned_sessions or (session_id in self.live and self.live[session_id].turn_running):
+        running = session_id in self.live and self.live[session_id].turn_running
+        if running or session_id in self.engine.state.pinned_sessions:
             return "hot"
         if session_id in self.live:
             return "warm"
@@ -329,7 +330,7 @@ class SessionManager:
                          num_computed: int | None = None) -> None:
         """Write `tokens` as the session's chain, hashed in its cache scope; `num_computed`: how many
         of them have KV somewhere (all, unless given)."""
-        bs = self.engine.block_size
+        bs = self.engine.info.block_size
         await repos.chains.save_chain(state.id, tokens, chain_hashes(tokens, bs, self.engine.salt(state.scope_key)), bs,
                                       len(tokens) if num_computed is None else num_computed,
                                       window_start=window_start)

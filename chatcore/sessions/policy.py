@@ -43,7 +43,7 @@ class EvictionPolicy:
         now = now if now is not None else time.monotonic()
         idle = [s for s in self.sessions.live.values()
                 if not s.turn_running and now - s.last_active >= self.settings.warm_idle_s
-                and s.id not in self.engine.pinned_sessions]
+                and s.id not in self.engine.state.pinned_sessions]
         demoted: list[str] = []
         for state in idle:
             async with state.lock:

@@ -50,7 +50,7 @@ class Residency:
         disk tier (verified), for the request's second add."""
         disk = self.disk
         assert disk is not None
-        bs = self.engine.block_size
+        bs = self.engine.info.block_size
         max_blocks = (len(req.prompt) - 1) // bs
         tensors = await disk.load(chain_hashes(req.prompt, bs, req.salt)[device_blocks:max_blocks])
         return SessionPrefix(prefix.session_id, use_pin=prefix.use_pin, prefetched=prefix.prefetched,
@@ -107,7 +107,7 @@ class Residency:
         assert disk is not None
         current = state.tokens
         tokens = list(current)
-        bs = self.engine.block_size
+        bs = self.engine.info.block_size
         salt = self.engine.salt(state.scope_key)
         max_blocks = len(tokens) // bs
         device_blocks = await self.engine.send(CachedPrefix(tokens, salt, max_blocks, state.id))

@@ -34,7 +34,7 @@ async def check_room_for_a_turn(system_prompt: str, template: ChatTemplate, engi
     except RequestRejected as exc:
         own = await tokenize(lambda: template.render([{"role": "system", "content": system_prompt}],
                                                      generation_prompt=False))
-        context = engine.max_context
+        context = engine.info.max_context
         why = (f"the model's context is {context} tokens (max_context)" if len(prompt) + 1 > context
                else f"the KV pool cannot hold it ({exc})")
         raise TooLarge(f"the system prompt takes {len(own)} tokens, and the smallest turn after it "

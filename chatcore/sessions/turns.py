@@ -91,7 +91,7 @@ class TurnRunner:
                      client_id: str | None, max_tokens_given: bool) -> TurnFrames:
         """The turn's prompt, rows and task (the caller holds `state.lock`, so the history stays put)."""
         await self.sessions.hold(state)  # the lease: this replica alone runs the session's turns
-        context = self.engine.max_context
+        context = self.engine.info.max_context
         limit = self.settings.max_message_tokens
         self.sessions.check_chars(len(content), limit, "the message", "max_message_tokens")
         window = await self.sessions.tokenize(state.tenant_id,
