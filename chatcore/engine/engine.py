@@ -43,8 +43,8 @@ from chatcore.engine.fits import check_fits
 from chatcore.engine.grammar import GrammarCompiler
 from chatcore.engine.info import EngineInfo
 from chatcore.engine.outputs import RequestOutput
-from chatcore.engine.request import Request, SamplingParams
 from chatcore.engine.queued import Queued, Reply, Stream
+from chatcore.engine.request import Request, SamplingParams
 from chatcore.engine.snapshot import EngineSnapshot
 from chatcore.kv.tensors import KVTensors
 from chatcore.models.loader import LoadedModel
@@ -177,10 +177,10 @@ class InferenceEngine:
         last = self._events.state
         pinned = self._core.kv_cache.pinned_sessions
         if len(pinned) != len(last.pinned_sessions) or not last.pinned_sessions.issuperset(pinned):
-            last_pinned = frozenset(pinned)
+            pinned_now = frozenset(pinned)
         else:
-            last_pinned = last.pinned_sessions
-        state = self._snapshot(pinned=last_pinned, quiet=self._quiet())
+            pinned_now = last.pinned_sessions
+        state = self._snapshot(pinned=pinned_now, quiet=self._quiet())
         if state != last:
             self._events.publish_state(state)
 

@@ -8,6 +8,7 @@ Invariants:
   queue the event on each subscriber's event loop (`call_soon_threadsafe`), and it is handled there;
 - a subscriber gets every event published before it subscribed, then each later one, in order, once:
   a lost device is a state, and a caller that subscribes after the loss still learns of it;
+- a loop's view starts from the last state published, then receives each later one, in order;
 - every subscription ends once the engine's thread has ended (`close`); a subscriber whose event loop
   has closed is dropped.
 """
