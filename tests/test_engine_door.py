@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import inspect
 import queue
+import threading
 import typing
 from contextlib import aclosing
 from typing import Any
@@ -144,20 +145,23 @@ async def test_the_state_arrives_before_the_outputs_and_results_that_change_it(m
     the pool's new limits, which `check_fits` then uses. The prefill gate is clear from the add to the
     first token, and set after."""
     engine = InferenceEngine(make_core(num_blocks=64, block_size=16))
+    order: list[tuple[str, Any]] = []  # on the engine thread: each state published, each output handed out
+    publish, dispatch = engine._events.publish_state, engine._dispatch
+    engine._events.publish_state = lambda state: (order.append(("state", state)), publish(state))  # type: ignore
+    engine._dispatch = lambda out: (order.append(("output", out.finished)), dispatch(out))  # type: ignore
     engine.start()
     try:
-        view = engine._events.view()
-        seen: list[EngineSnapshot] = []
-        receive = view.receive
-        view.receive = lambda state: (seen.append(state), receive(state))  # type: ignore[method-assign]
         req = engine.make_request(chat_ids(loaded_fp32.tokenizer, QUESTIONS[0]), SamplingParams(max_tokens=4))
         req.session_id = "s1"
         gates = []
         async for out in engine.generate(req):
             gates.append(engine.prefill_quiet.is_set())
             if out.finished:
-                assert engine.state.pinned_sessions == {"s1"}  # published before the last output
-        assert all(gates) and any(not s.prefill_quiet for s in seen) and seen[-1].prefill_quiet
+                assert engine.state.pinned_sessions == {"s1"}
+        pinned_at = next(i for i, (kind, s) in enumerate(order) if kind == "state" and s.pinned_sessions == {"s1"})
+        assert pinned_at < order.index(("output", True))  # the pin was published before the last output
+        states: list[EngineSnapshot] = [s for kind, s in order if kind == "state"]
+        assert all(gates) and any(not s.prefill_quiet for s in states) and states[-1].prefill_quiet
         assert await engine.send(Unpin("s1")) and engine.state.pinned_sessions == frozenset()
 
         long = engine.make_request(chat_ids(loaded_fp32.tokenizer, QUESTIONS[0], LONG_SYSTEM),
@@ -228,4 +232,37 @@ async def test_each_event_loop_has_its_own_view(make_core, loaded_fp32) -> None:
         assert await engine.send(Unpin("s2")) and engine.state.pinned_sessions == frozenset()  # the closed
         # loop's view is dropped as the engine thread publishes this, and this loop's still hears it
     finally:
+        engine.shutdown()
+
+
+@pytest.mark.model
+async def test_the_prefill_gate_clears_as_a_request_is_sent(make_core, loaded_fp32) -> None:
+    """The disk tier's gate is clear from the moment a request leaves the loop, before the engine thread
+    has taken it, and set again once its first token is out."""
+    core = make_core()
+    engine = InferenceEngine(core)
+    in_housekeeping, release = threading.Event(), threading.Event()
+    tend = core.tend_pins
+    core.tend_pins = lambda: (in_housekeeping.set(), release.wait(), tend())  # type: ignore[method-assign]
+    engine.start()
+    try:
+        await asyncio.to_thread(in_housekeeping.wait)  # the engine thread is past this round's drain
+        assert engine.prefill_quiet.is_set()
+        req = engine.make_request(chat_ids(loaded_fp32.tokenizer, QUESTIONS[0]), SamplingParams(max_tokens=2))
+
+        async def gate_at_first_token() -> bool | None:
+            async with aclosing(engine.generate(req)) as stream:
+                async for out in stream:
+                    if out.deltas:
+                        return engine.prefill_quiet.is_set()  # leaving aborts the rest
+            return None
+
+        run = asyncio.create_task(gate_at_first_token())
+        while engine._commands.empty():  # the task's first step queues the add
+            await asyncio.sleep(0)
+        assert not engine.prefill_quiet.is_set() and engine.state.prefill_quiet  # the engine has not seen it
+        release.set()
+        assert await run is True
+    finally:
+        release.set()
         engine.shutdown()
