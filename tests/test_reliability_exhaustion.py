@@ -46,7 +46,7 @@ class Exhaustion:
 
 
 def worst_case_blocks(prompt_tokens: int, max_tokens: int) -> int:
-    """The KV cache manager's bound (chatcore/engine/kv_manager.py `worst_case_blocks`), for one sequence."""
+    """The admission bound (chatcore/engine/fits.py `worst_case_blocks`), for one sequence."""
     return -(-prompt_tokens // BLOCK) + -(-max_tokens // BLOCK) + 1
 
 
