@@ -17,6 +17,8 @@ SALT = cache_salt("test-kv-manager", 4, "none")
 def admitted(kv_cache: KVCacheManager, request_id: str, prompt: list[int], session_id: str | None = None) -> Request:
     req = Request(request_id, prompt, SamplingParams(max_tokens=4), salt=SALT, session_id=session_id)
     kv_cache.get_computed_blocks(req, req.seqs)
+    if not kv_cache.can_admit(req, alone=True):
+        kv_cache.reclaim_pins_for(req)  # the scheduler's action when the pool lacks room
     assert kv_cache.can_admit(req, alone=True)
     kv_cache.admit(req)
     return req
@@ -30,7 +32,7 @@ def test_allocate_slots_answers_none_when_the_pool_cannot_serve_and_changes_noth
     assert kv_cache.allocate_slots(req, seq, 12) is not None  # 3 blocks of 4
     before = (pool.num_available, list(kv_cache.block_ids(req, seq)))
     assert kv_cache.allocate_slots(req, seq, 8) is None  # 2 more blocks; 1 left
-    assert (pool.num_available, kv_cache.block_ids(req, seq)) == before
+    assert (pool.num_available, list(kv_cache.block_ids(req, seq))) == before
     slots, copies = kv_cache.allocate_slots(req, seq, 4) or ([], [])
     assert len(slots) == 4 and copies == [] and pool.num_available == 0
     kv_cache.free(req)
@@ -48,7 +50,7 @@ def test_a_finished_turn_is_pinned_and_its_pin_is_reclaimed_before_an_allocation
     kv_cache.finish_seq(turn, seq)  # the session's first sample keeps its table to the end
     assert kv_cache.has_table(turn, seq)
     kv_cache.free(turn)
-    assert kv_cache.pinned_sessions == ["s1"] and kv_cache.pinned_blocks("s1") == 2
+    assert kv_cache.pinned_sessions == ["s1"] and kv_cache.pins.blocks("s1") == 2
     other = admitted(kv_cache, "other", [50 + i for i in range(9)])
     assert kv_cache.allocate_slots(other, other.seqs[0], 16) is not None  # 4 blocks: the pin had to go
     assert kv_cache.pinned_sessions == []
