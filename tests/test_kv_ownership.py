@@ -16,8 +16,9 @@ included), outside the manager, its parts and `chatcore/cache/` (which defines t
   command handlers reach the pool only through the manager (resize, stats, prefix-cache reset);
 * a table's owner is typed (`chatcore/cache/owners.py`): no module anywhere gives one a string, or
   calls a method on an `.owner` (parsing a name back).
-And on a live pool, the registry (`BlockPool.tables`) holds only typed owners, each accounted for by
-what the manager holds: a running request's sequence, a held prefix, a session's pin.
+And on a live pool (a bare one, and a running engine's at every step), the registry
+(`BlockPool.tables`) holds only typed owners, each accounted for by what the manager holds: a running
+request's sequence, a held prefix, a session's pin.
 The self-test at the end shows each static check catches what it is for.
 """
 
@@ -26,11 +27,15 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from chatcore.cache import BlockPool, PinOwner, PrefixOwner, SequenceOwner, TableOwner, audit, cache_salt
 from chatcore.engine.commands import SessionPrefix
+from chatcore.engine.core import EngineCore
 from chatcore.engine.kv_manager import KVCacheManager
 from chatcore.engine.request import Request, SamplingParams, TokenSequence
 from chatcore.outcomes import FinishReason
+from tests.engine_helpers import QUESTIONS, chat_ids, run_to_end
 from tests.shipped_sources import ROOT, relative, shipped_files
 
 MANAGER = "chatcore/engine/kv_manager.py"
@@ -205,6 +210,49 @@ def test_the_registry_holds_typed_owners_each_accounted_for() -> None:
         kv_cache.free(req)
     kv_cache.pins.unpin("s2")
     assert pool.tables == [] and pool.num_used == 0
+
+
+def _registry_accounted_for(core: EngineCore) -> list[TableOwner]:
+    """Check each table in the pool's registry against what the engine holds; returns the owners."""
+    kv_cache, owners = core.kv_cache, [table.owner for table in core.pool.tables]
+    assert all(isinstance(owner, TableOwner) for owner in owners) and len(set(owners)) == len(owners), owners
+    for table in core.pool.tables:
+        match table.owner:
+            case SequenceOwner(request_id=request_id, index=index):
+                req = core.requests[request_id]
+                (seq,) = [seq for seq in req.seqs if seq.index == index]
+                assert kv_cache.block_ids(req, seq) == tuple(table.block_ids)
+            case PrefixOwner(request_id=request_id):
+                assert core.requests[request_id] in core.scheduler.waiting
+            case PinOwner(session_id=session_id):
+                assert session_id in kv_cache.pinned_sessions and kv_cache.pins.blocks(session_id) == len(table)
+            case other:
+                raise AssertionError(f"{other} outlived its command")
+    return owners
+
+
+@pytest.mark.model
+def test_a_running_engines_registry_is_accounted_for_at_every_step(make_core, loaded_fp32) -> None:
+    core = make_core()
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    first = core.make_request(chat_ids(loaded_fp32.tokenizer, QUESTIONS[0]), greedy)
+    first.session_id = "s1"
+    core.add(first)
+    run_to_end(core)
+    assert _registry_accounted_for(core) == [PinOwner("s1")]
+    follow_up = core.make_request([*first.seqs[0].tokens, *chat_ids(loaded_fp32.tokenizer, QUESTIONS[2])], greedy)
+    follow_up.session_id = "s1"
+    core.add(follow_up, SessionPrefix("s1"))
+    assert _registry_accounted_for(core) == [PrefixOwner(follow_up.request_id)]
+    samples = core.make_request(chat_ids(loaded_fp32.tokenizer, QUESTIONS[1]),
+                                SamplingParams(max_tokens=8, temperature=0.9, seed=7, n=3, ignore_eos=True))
+    core.add(samples)
+    seen: set[type] = set()
+    core.on_step.append(lambda plan: seen.update(type(owner) for owner in _registry_accounted_for(core)))
+    run_to_end(core)
+    assert seen == {SequenceOwner, PinOwner}  # the samples' forks ran, and the follow-up's turn was pinned
+    assert _registry_accounted_for(core) == [PinOwner("s1")]
+    core.kv_cache.pins.unpin("s1")
 
 
 def test_the_checks_catch_what_they_are_for() -> None:
