@@ -15,40 +15,43 @@ audit's report) match on the type and read its fields: nothing builds a name to 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
+from typing import ClassVar
+
+
+class _Labelled:
+    """An owner's `str()`: its class's `label` filled with its fields, in order."""
+
+    __slots__ = ()
+    label: ClassVar[str]
+
+    def __str__(self) -> str:
+        return self.label.format(*astuple(self))
 
 
 @dataclass(frozen=True, slots=True)
-class SequenceOwner:
+class SequenceOwner(_Labelled):
+    label: ClassVar[str] = "request {} sequence {}"
     request_id: str
     index: int
 
-    def __str__(self) -> str:
-        return f"request {self.request_id} sequence {self.index}"
-
 
 @dataclass(frozen=True, slots=True)
-class PrefixOwner:
+class PrefixOwner(_Labelled):
+    label: ClassVar[str] = "request {} prefix"
     request_id: str
 
-    def __str__(self) -> str:
-        return f"request {self.request_id} prefix"
+
+@dataclass(frozen=True, slots=True)
+class PinOwner(_Labelled):
+    label: ClassVar[str] = "session {} pin"
+    session_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class PinOwner:
+class PrefetchOwner(_Labelled):
+    label: ClassVar[str] = "session {} prefetch"
     session_id: str
-
-    def __str__(self) -> str:
-        return f"session {self.session_id} pin"
-
-
-@dataclass(frozen=True, slots=True)
-class PrefetchOwner:
-    session_id: str
-
-    def __str__(self) -> str:
-        return f"session {self.session_id} prefetch"
 
 
 TableOwner = SequenceOwner | PrefixOwner | PinOwner | PrefetchOwner
