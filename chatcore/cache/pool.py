@@ -41,6 +41,7 @@ from typing import Protocol
 
 from chatcore.cache.errors import CacheError, NoFreeBlocks
 from chatcore.cache.forecast import ReuseForecast
+from chatcore.cache.owners import TableOwner
 from chatcore.cache.prefix import PrefixIndex
 
 EvictHook = Callable[[int, bytes, tuple[int, ...]], None]
@@ -52,9 +53,10 @@ DEFAULT_EVICTION = "session"
 
 class AttachedTable(Protocol):
     """What the pool knows of a table mapping its blocks (a `BlockTable`, whose module imports
-    this one and not the reverse): for the audit and the block map."""
+    this one and not the reverse): for the audit and the block map. Its `owner` is typed
+    (`chatcore.cache.owners`): the registry says who holds each table without a name to parse."""
 
-    owner: str
+    owner: TableOwner
     block_ids: list[int]
     num_tokens: int
 
@@ -345,7 +347,7 @@ class BlockPool:
             removed += 1
         return removed
 
-    # ----- tables --------------------------------------------------------------------------
+    # ----- tables: the registry of live tables, each with its typed owner -------------------
     def attach(self, table: AttachedTable) -> None:
         self._tables[table] = None
 

@@ -151,23 +151,8 @@ class EngineCore:
         return any(req.first_token is None for req in self.requests.values())
 
     def tend_pins(self) -> None:
-        """Expire and trim the sessions' pins (`KVCacheManager.tend_pins`), between two steps."""
-        self.kv_cache.tend_pins(self.settings.max_hot_sessions, self.settings.pinned_kv_fraction)
-
-    def resize(self, num_blocks: int) -> int:
-        """Grow or shrink the pool and its tensors together; block ids never change.
-
-        Shrinking removes only free or cached-free blocks from the top of the id space, and
-        never below the high watermark of available blocks. Returns the new size.
-        """
-        current = self.pool.num_blocks
-        if num_blocks > current:
-            self.kv.resize(num_blocks)
-            self.pool.grow(num_blocks - current)
-        elif num_blocks < current:
-            self.pool.shrink(current - num_blocks)
-            self.kv.resize(self.pool.num_blocks)
-        return self.pool.num_blocks
+        """Expire and trim the sessions' pins (`SessionPins.tend`), between two steps."""
+        self.kv_cache.pins.tend(self.settings.max_hot_sessions, self.settings.pinned_kv_fraction)
 
     # ----- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

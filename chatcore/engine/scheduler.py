@@ -53,7 +53,7 @@ class ScheduledSeq:
     slots: list[int]
     copies: list[tuple[int, int]]
     # The sequence's physical blocks, in logical order (`KVCacheManager.block_ids`): the step's block table row.
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
@@ -279,7 +279,7 @@ class Scheduler:
                 self.waiting.remove(req)
                 deferred.append(req)
                 continue
-            if not self.kv_cache.can_admit(req, alone=not self.running):
+            if not self._reclaim_room(req):
                 self.kv_cache.unwind(req)
                 break
             self.waiting.remove(req)
@@ -293,6 +293,15 @@ class Scheduler:
                 break
             inflight.update(self._inflight(req))
         self.waiting.extendleft(reversed(deferred))
+
+    def _reclaim_room(self, req: Request) -> bool:
+        """Whether the pool takes the looked-up request (`can_admit`, a question); if not, the sessions'
+        pins are reclaimed for it (`reclaim_pins_for`, an action) and the question asked again."""
+        alone = not self.running
+        if self.kv_cache.can_admit(req, alone=alone):
+            return True
+        self.kv_cache.reclaim_pins_for(req)
+        return self.kv_cache.can_admit(req, alone=alone)
 
     def _next_admission(self, blocked: set[str]) -> Request | None:
         """The next request to try: the head of the tenant holding the fewest slots (ties: queue order)."""
