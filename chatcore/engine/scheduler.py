@@ -296,12 +296,13 @@ class Scheduler:
 
     def _reclaim_room(self, req: Request) -> bool:
         """Whether the pool takes the looked-up request (`can_admit`, a question); if not, the sessions'
-        pins are reclaimed for it (`reclaim_pins_for`, an action) and the question asked again."""
-        alone = not self.running
-        if self.kv_cache.can_admit(req, alone=alone):
+        pins are reclaimed for it (`reclaim_pins_for`, an action) and the question asked again, this
+        time keeping the low watermark free even when nothing runs: room made by reclaiming pins is
+        taken only above the watermark (the request waits a step otherwise)."""
+        if self.kv_cache.can_admit(req, alone=not self.running):
             return True
         self.kv_cache.reclaim_pins_for(req)
-        return self.kv_cache.can_admit(req, alone=alone)
+        return self.kv_cache.can_admit(req, alone=False)
 
     def _next_admission(self, blocked: set[str]) -> Request | None:
         """The next request to try: the head of the tenant holding the fewest slots (ties: queue order)."""
