@@ -10,13 +10,26 @@ Checked on the source of the engine and the benchmarks that drive it (chatcore/e
   `rename`, `free_seq`, `finish_seq`) are called only by the update, but for the named exceptions
   (preemption; the benchmarks' offline replay, which stands in for a step);
 * the step's records (`engine/step_types.py`) import no stage of the step, so every stage can name them.
-The self-test at the end shows each check catches what it is for.
+The self-test shows each check catches what it is for. And at run time, over one workload with
+every kind of sampling (n > 1 with a stop string, a beam search, log-probs, a grammar, preemption),
+each step that runs the model calls schedule → runner → sampler → update → output processor once
+each, in that order, and neither the sampler nor the output processor changes a request, a sequence
+or a table.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
+from typing import Any
 
+import pytest
+
+from chatcore.engine.core import EngineCore
+from chatcore.engine.grammar import ResponseFormat
+from chatcore.engine.request import SamplingParams
+from chatcore.outcomes import FinishReason
+from tests.engine_helpers import QUESTIONS, chat_ids
 from tests.shipped_sources import ROOT, relative, shipped_files
 
 UPDATE = "chatcore/engine/step_update.py"
@@ -128,3 +141,68 @@ def f(seq, req, kv, self):
     assert [(what, line) for _, what, line in changes(source)] == [
         ("tokens.append", 3), ("tokens =", 4), ("tokens =", 5), ("logprobs.extend", 6), ("seqs =", 7),
         ("seqs.append", 8), ("append_token", 9), ("kv_cache.fork", 10), ("kv_cache.free_seq", 11)]
+
+
+STAGES_IN_ORDER = ["schedule", "execute", "sample", "update_from_output", "process"]
+
+
+def _state(core: EngineCore) -> list[Any]:
+    """Every live request's state that a step's outcome changes: its sequences, their tables, its error."""
+    return [(req.request_id, req.error, req.forked, req.first_token, list(req.token_times), [
+        (seq.index, list(seq.tokens), list(seq.logprobs), seq.num_computed, seq.finish_reason, seq.cum_logprob,
+         core.kv_cache.block_ids(req, seq) if core.kv_cache.has_table(req, seq) else None)
+        for seq in req.seqs]) for req in core.requests.values()]
+
+
+def _watch(core: EngineCore, monkeypatch: pytest.MonkeyPatch, calls: list[str], unchanged: list[bool]) -> None:
+    """Record each stage's call; check that the sampler and the output processor leave the state as they found it."""
+    stages: dict[str, tuple[Any, bool]] = {
+        "schedule": (core.scheduler, False), "execute": (core.runner, False), "sample": (core.step_sampler, True),
+        "update_from_output": (core.update, False), "process": (core.output_processor, True)}
+    for name, (owner, pure) in stages.items():
+        real: Callable[..., Any] = getattr(owner, name)
+
+        def stage(*args: Any, _real: Callable[..., Any] = real, _name: str = name, _pure: bool = pure) -> Any:
+            calls.append(_name)
+            before = _state(core) if _pure else None
+            result = _real(*args)
+            if _pure:
+                unchanged.append(_state(core) == before)
+            return result
+
+        monkeypatch.setattr(owner, name, stage)
+
+
+@pytest.mark.model
+def test_a_step_walks_each_stage_once_and_only_the_update_changes_state(make_core, monkeypatch) -> None:
+    # a small pool: the beam search and the samples preempt each other
+    core = make_core(num_blocks=24, block_size=8, low_watermark=0.0, max_queue_wait_s=3600)
+    ids = [chat_ids(core.tokenizer, q) for q in QUESTIONS[:4]]
+    requests = [
+        core.make_request(ids[0], SamplingParams(max_tokens=24, n=3, temperature=1.0, seed=7, stop=(".",))),
+        core.make_request(ids[1], SamplingParams(max_tokens=24, beam_width=3, ignore_eos=True)),
+        core.make_request(ids[2], SamplingParams(max_tokens=24, logprobs=True, top_logprobs=2, ignore_eos=True)),
+        core.make_request(ids[3], SamplingParams(max_tokens=24, response_format=ResponseFormat("json_object"))),
+    ]
+    for req in requests:
+        core.add(req)
+    calls: list[str] = []
+    unchanged: list[bool] = []
+    _watch(core, monkeypatch, calls, unchanged)
+    finals, model_steps = {}, 0
+    while core.has_work:
+        calls.clear()
+        steps = core.steps
+        finals.update({out.request_id: out for out in core.step() if out.finished})
+        if core.steps > steps:
+            model_steps += 1
+            assert calls == STAGES_IN_ORDER, calls
+    assert model_steps > 5 and unchanged and all(unchanged)
+    sampled, beams, logprobs, grammar = (finals[req.request_id] for req in requests)
+    assert len(sampled.outputs) == 3 and all(o.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+                                             for o in sampled.outputs)
+    assert all("." not in o.text for o in sampled.outputs)  # the stop string ends a sample, and is cut
+    assert len(beams.outputs) == 3 and beams.error is None
+    assert len(logprobs.outputs[0].logprobs or []) == 24 == len(logprobs.outputs[0].token_ids)
+    assert grammar.error is None and grammar.outputs[0].token_ids
+    assert any(req.preemptions for req in requests), "nothing was preempted"
