@@ -44,7 +44,8 @@ class StepSampler:
 
     def sample(self, entries: list[ScheduledSeq], logits: torch.Tensor) -> Sampled:
         """The step's sampling rows (n > 1 requests' other samples made first), sampled."""
-        faults, forks = RowFaults(), []
+        faults = RowFaults()
+        forks: list[Fork] = []
         rows, groups = self._sampling_rows(entries, faults, forks)
         return self._sample(rows, groups, logits, faults, forks)
 

@@ -15,8 +15,8 @@ processor, and in this order:
 5. the faults the step recorded (`RowFaults`) fail their requests.
 It returns what the output processor reports (`Updated`): the tokens appended with their text, and the
 requests left with no live sequence, which the engine ends through its one exit path (`_finish`).
-Outside this module, only the KV cache manager changes tables and only the engine's admission and exit
-paths touch a request's sequences (tests/test_step_update.py).
+Outside this module nothing appends to a sequence's tokens, and a sequence's table changes only as
+the scheduler reserves slots or preempts and as the exit path releases (tests/test_step_update.py).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class StepUpdate:
             self._fork(fork, faults)
         for found in sampled.beams:
             faults.run(found.req, "beam search", lambda found=found: self._step_beams(found))
-        appended = []
+        appended: list[Appended] = []
         for sample in sampled.tokens:
             done = self._take(sample, sampled.now, faults)
             if done is not None:
