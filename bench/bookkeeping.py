@@ -45,10 +45,10 @@ class Bookkeeping:
         seq.num_computed = computed
         self.kv_cache.cache_blocks(req, seq)
 
-    def block_ids(self, req: Request) -> list[int]:
+    def block_ids(self, req: Request) -> tuple[int, ...]:
         return self.kv_cache.block_ids(req, req.seqs[0])
 
-    def hashed_block_ids(self, req: Request) -> list[int]:
+    def hashed_block_ids(self, req: Request) -> tuple[int, ...]:
         """The request's blocks whose content is hashed (findable by a later lookup)."""
         return self.kv_cache.hashed_block_ids(req, req.seqs[0])
 

@@ -358,11 +358,8 @@ class GemmChain:
     the values do not change a GEMM's time), distinct per layer, so the weights stream from memory
     as the model's do; no bias is added. The weight is stored [in, out] contiguous, the
     module's `W` [out, in] transposed and copied, so `torch.mm(x, w)` computes `x @ W.T`: the
-    layout torch.mm reads fastest here. SmolLM2's 210 body linears in bfloat16 on the AMX Xeon, 2
-    threads, the best of 6 interleaved passes (2026-12-05, two quiet moments): 64 rows 41.7 and
-    27.3 ms as [in, out] against 45.3 and 30.3 ms as a transposed view of [out, in]; 512 rows 143.9
-    and 73.1 against 150.3 and 76.3 ms. float32 reads [in, out] fastest too
-    (`chatcore/models/weight_layout.py`).
+    layout torch.mm reads fastest here, in bfloat16 and float32 (docs/measurements.md, "GEMM
+    layout"; `chatcore/models/weight_layout.py`).
     """
 
     def __init__(self, model: Any, dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> None:

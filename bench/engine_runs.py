@@ -14,7 +14,7 @@ from chatcore.bench import step_ops
 from chatcore.bench.baselines import BatchRun
 from chatcore.engine.core import EngineCore
 from chatcore.engine.request import SamplingParams
-from chatcore.engine.scheduler import StepPlan
+from chatcore.engine.step_types import StepPlan
 
 
 def chat_prompts(tokenizer: Any, system: str | None, users: list[str]) -> list[list[int]]:

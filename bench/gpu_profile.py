@@ -8,8 +8,7 @@ Two figures, both per decode step with every chat decoding (no prompt in the ste
 - `launches_per_prefill_step`: the same count over the steps before every chat decodes (the workload's
   prompts, with the decode rows of the chats already past theirs), profiled as they run;
 - `kernels_per_decode_step` (beside the summary): the CUDA kernels the device runs a step, a graph's
-  included (events of device type CUDA). Before 2026-12-04's second run the summary's
-  `launches_per_decode_step` held this figure.
+  included (events of device type CUDA).
 On the CPU there are no device kernels: all are None and `note` says so (the rehearsal runs the code).
 """
 

@@ -29,6 +29,7 @@ Also the FLOP-weighted hit rate (recompute FLOPs saved / FLOPs of all prompt blo
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from typing import Any
 
 from chatcore.bench.common import Context, reported
@@ -77,7 +78,7 @@ class CostAwarePool(BlockPool):
     def cost(self, block_id: int) -> float:
         return float(len(self.users[block_id]))
 
-    def note_chain(self, hashed: list[int], owner: object) -> None:
+    def note_chain(self, hashed: Sequence[int], owner: object) -> None:
         """The committed (`hashed`) blocks of a chain were just used by `owner` (a session)."""
         parent: int | None = None
         for depth, block_id in enumerate(hashed):

@@ -42,9 +42,9 @@ def _no_extra_buffers() -> Iterator[None]:
     """`Llama` built inside this block loads its weights without ggml's extra CPU buffer types
     (`use_extra_bufts` off: the AMX and repacked layouts), which `Llama`'s arguments cannot ask for.
 
-    A `GGML_NATIVE=ON` build on an AMX CPU puts Q4_1 and Q8_0 weights in AMX buffers, and on the
-    AMX Xeon here their first product dies with SIGILL at `tilezero` (2026-12-06, llama-cpp-python
-    0.3.36), taking the bench with it. Without them ggml multiplies the GGUF's blocks with its
+    A `GGML_NATIVE=ON` build on an AMX CPU puts Q4_1 and Q8_0 weights in AMX buffers, and on an
+    AMX Xeon their first product died with SIGILL at `tilezero` (docs/measurements.md, "llama.cpp on
+    AMX"), taking the bench with it. Without them ggml multiplies the GGUF's blocks with its
     AVX-512 / AVX2 dot products, as on the CPUs without AMX where the anchors were measured."""
     import llama_cpp.llama_cpp as low
 

@@ -62,8 +62,10 @@ def profile_run(loaded: Any, sequences: int, new_tokens: int) -> dict[str, Any]:
         core.scheduler.schedule = timers.wrap("schedule", core.scheduler.schedule)  # type: ignore[method-assign]
         core.runner.execute = timers.wrap("runner", core.runner.execute)  # type: ignore[method-assign]
         core.step_sampler.sample = timers.wrap("sample", core.step_sampler.sample)  # type: ignore[method-assign]
+        core.update.update_from_output = timers.wrap(  # type: ignore[method-assign]
+            "sample", core.update.update_from_output)  # sampling, appending and outputs, timed as one
         core.output_processor.process = timers.wrap(  # type: ignore[method-assign]
-            "sample", core.output_processor.process)  # sampling and appending, timed as one
+            "sample", core.output_processor.process)
         system, users = chat_workload(loaded.tokenizer, sequences, 300, 100, seed=1)
         for i, prompt in enumerate(chat_prompts(loaded.tokenizer, system, users)):
             core.add(core.make_request(prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True),

@@ -5,7 +5,7 @@
 the residual adds...; the C calls in `OP_GROUPS` show as `native.traced` ranges). `labelled(core)`
 puts two parts of a step into `torch.profiler` ranges: chatcore's paged attention of a layer, all
 of it (the K/V writes, the decode kernel, the prefill attention, the reshapes around them:
-`RANGES[0]`), and the engine's sampling with its outputs (`StepSampler.sample` and
+`RANGES[0]`), and the engine's sampling with its outputs (`StepSampler.sample`, `StepUpdate.update_from_output` and
 `OutputProcessor.process`: `RANGES[1]`). `op_split` counts an op inside one of those ranges under
 the range's name, any other under its group. Times are each op's self time, so nested ops count once; what a step spends
 outside every op (Python, the dispatcher, the profiler itself) is its wall time minus their sum.
@@ -55,7 +55,8 @@ def labelled(core: EngineCore) -> Iterator[None]:
 
     paged_attention.attend = labelled_attention  # both the modules' attention and fused_layer.py call it
     try:
-        with _in_range(core.step_sampler, "sample", sampling), _in_range(core.output_processor, "process", sampling):
+        with _in_range(core.step_sampler, "sample", sampling), _in_range(core.update, "update_from_output", sampling), \
+                _in_range(core.output_processor, "process", sampling):
             yield
     finally:
         paged_attention.attend = attend

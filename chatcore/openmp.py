@@ -3,10 +3,9 @@
 torch's CPU wheels run their parallel ops on GNU OpenMP (libgomp), and every thread that enters a
 parallel region keeps a team of worker threads for the next one. Once libgomp's threads outnumber
 the CPUs, it stops spin-waiting in every team, and each parallel region then wakes its workers
-through the kernel. On a 2-core Xeon (2026-12-02), with the model loaded on the main thread, the
-same engine steps run on another thread took 1.7-1.9x as long (decode of one sequence 34 -> 58 ms,
-an 84-token turn's prefill 75 -> 140 ms) and a loop of bf16 elementwise ops 3.6x as long, using
-one CPU instead of two. That was every step of `chatcore serve`, whose engine has its own thread.
+through the kernel. With the model loaded on the main thread, the same engine steps run on another
+thread then take far longer, using one CPU instead of two (docs/measurements.md, "One OpenMP team").
+That was every step of `chatcore serve`, whose engine has its own thread.
 
 So a thread that ran parallel ops and will not compute again hands its team back
 (`release_team`: the model's loader and the engine's builder do), and threads that touch tensors

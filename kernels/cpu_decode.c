@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bfloat16.h"
+
 /* glibc's vector expf (libmvec), declared as math.h does under -ffast-math: the softmax loop
    then calls it 16 (AVX-512) or 8 (AVX2) lanes at a time, without relaxing any other math. */
 __attribute__((__simd__("notinbranch"))) float expf(float);
@@ -67,8 +69,7 @@ static inline float scalar_in(const char *p, int kind) {
     if (kind == BF16) {
         uint16_t h;
         memcpy(&h, p, 2);
-        const uint32_t bits = (uint32_t)h << 16;
-        memcpy(&f, &bits, 4);
+        f = from_bfloat16(h);
 #ifdef __FLT16_MAX__
     } else if (kind == F16) {
         _Float16 h;
@@ -83,11 +84,7 @@ static inline float scalar_in(const char *p, int kind) {
 
 static inline void scalar_out(char *p, float f, int kind) {
     if (kind == BF16) {
-        uint32_t bits;
-        memcpy(&bits, &f, 4);
-        if ((bits & 0x7fffffffu) > 0x7f800000u) bits |= 0x00400000u;  /* NaN stays a (quiet) NaN */
-        else bits += 0x7fffu + ((bits >> 16) & 1u);
-        const uint16_t h = (uint16_t)(bits >> 16);
+        const uint16_t h = to_bfloat16(f);
         memcpy(p, &h, 2);
 #ifdef __FLT16_MAX__
     } else if (kind == F16) {

@@ -29,6 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bfloat16.h"
+
 #define ROWS 8     /* as cpu_quant.c */
 #define BLOCK 32
 #define Q4_0 0     /* qtype codes shared with kernels/cpu_quant.py */
@@ -161,13 +163,6 @@ T_VNNI static void group_vnni(const uint8_t *w, int qtype, int64_t blocks, const
     GROUP_BODY(block_vnni)
 }
 
-static uint16_t float_to_bf16(float f) {  /* to nearest, ties to even, as torch rounds (NaN stays NaN) */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 static void products(const uint8_t *w, int qtype, int isa, const int8_t *q, const float *d, const float *s, void *y,
                      int y_bf16, int64_t m, int64_t n, int64_t k, int threads) {
     const int64_t groups = (n + ROWS - 1) / ROWS, blocks = k / BLOCK;
@@ -182,7 +177,7 @@ static void products(const uint8_t *w, int qtype, int isa, const int8_t *q, cons
             else
                 group_avx2(w + g * group_bytes, qtype, blocks, q + row * k, d + row * blocks, s + row * blocks, out);
             for (int64_t r = 0; r < live; r++) {
-                if (y_bf16) ((uint16_t *)y)[row * n + first + r] = float_to_bf16(out[r]);
+                if (y_bf16) ((uint16_t *)y)[row * n + first + r] = to_bfloat16(out[r]);
                 else ((float *)y)[row * n + first + r] = out[r];
             }
         }
@@ -201,10 +196,7 @@ int chatcore_qdot_linear(const void *x, const uint8_t *w, void *y, int x_bf16, i
     int8_t *q = (int8_t *)(x_bf16 ? wide + m * k : wide);
     const float *rows = x;
     if (x_bf16) {
-        for (int64_t i = 0; i < m * k; i++) {
-            const uint32_t bits = (uint32_t)((const uint16_t *)x)[i] << 16;
-            memcpy(wide + i, &bits, 4);
-        }
+        for (int64_t i = 0; i < m * k; i++) wide[i] = from_bfloat16(((const uint16_t *)x)[i]);
         rows = wide;
     }
     chatcore_qdot_quantize(rows, m, k, q, d, s);

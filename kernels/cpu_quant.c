@@ -33,6 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bfloat16.h"
+
 #define ROWS 8      /* output rows per group: kernels/cpu_quant.py lays the weight out to match */
 #define BLOCK 32    /* weights per block */
 #define Q4_0 0      /* qtype codes shared with kernels/cpu_quant.py */
@@ -186,25 +188,11 @@ T_AVX2 INLINE void group_256(const uint8_t *w, int qtype, int64_t blocks, const 
 
 /* ---- activations: float32 or bfloat16 rows into float32, and each block's sum ---- */
 
-static float bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static uint16_t float_to_bf16(float f) {  /* to nearest, ties to even, as torch rounds (NaN stays NaN) */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 T_AVX512BF16 static void widen_bf16_512bf16(const uint16_t *x, float *out, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
         _mm512_storeu_ps(out + i, _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(x + i))));
-    for (; i < n; i++) out[i] = bf16_to_float(x[i]);
+    for (; i < n; i++) out[i] = from_bfloat16(x[i]);
 }
 
 /* xf: [m][k] float32 copies of bfloat16 rows; sums: [m][k / 32], each block's sum in a fixed order. */
@@ -212,7 +200,7 @@ static void prepare(const void *x, int x_bf16, int isa, int64_t m, int64_t k, fl
     if (!x_bf16) xf = (float *)x;
     else if (isa == ISA_AVX512BF16) widen_bf16_512bf16(x, xf, m * k);
     else
-        for (int64_t i = 0; i < m * k; i++) xf[i] = bf16_to_float(((const uint16_t *)x)[i]);
+        for (int64_t i = 0; i < m * k; i++) xf[i] = from_bfloat16(((const uint16_t *)x)[i]);
     for (int64_t i = 0; i < m * k / BLOCK; i++) {
         float s = 0.0f;
         for (int j = 0; j < BLOCK; j++) s += xf[i * BLOCK + j];
@@ -221,7 +209,7 @@ static void prepare(const void *x, int x_bf16, int isa, int64_t m, int64_t k, fl
 }
 
 static void store(void *y, int y_bf16, int64_t at, float value) {
-    if (y_bf16) ((uint16_t *)y)[at] = float_to_bf16(value);
+    if (y_bf16) ((uint16_t *)y)[at] = to_bfloat16(value);
     else ((float *)y)[at] = value;
 }
 
@@ -317,7 +305,7 @@ void chatcore_quant_dequantize(const uint8_t *w, void *out, int out_bf16, int qt
             float *dst = out_bf16 ? buffer : (float *)out + i * k + b * BLOCK;
             dequantize_group_block(g + b * stripe, qtype, (int)(row % ROWS), dst);
             if (out_bf16)
-                for (int j = 0; j < BLOCK; j++) ((uint16_t *)out)[i * k + b * BLOCK + j] = float_to_bf16(buffer[j]);
+                for (int j = 0; j < BLOCK; j++) ((uint16_t *)out)[i * k + b * BLOCK + j] = to_bfloat16(buffer[j]);
         }
     }
 }

@@ -160,8 +160,8 @@ def route(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache
     Invariant: every layer of a step passes tensors of one layout (the same pool's views, the same
     metadata, views of the same shapes made by the same code), so the checks and the choice made
     here for the first layer hold for all of them. On the CPU, where the C store and decode take
-    them, the route calls those directly: the per-call checks and dispatch cost ~40 us a layer
-    inside a one-chat decode step (2.3 of its ~25 ms, 2026-12-06), where the weights streamed
+    them, the route calls those directly: the per-call checks and dispatch cost a measurable share
+    of a one-chat decode step (docs/measurements.md, "Route per step"), where the weights streamed
     between layers leave Python's data out of the caches. Everywhere else it is `store_kv` and
     `paged_decode_attention` themselves, checked on every call as before. A data-dependent
     precondition (a slot, a block id, a context length within `max_context`) is still checked by

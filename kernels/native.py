@@ -207,7 +207,7 @@ def _layout(decode: tuple[Callable[..., int], frozenset[torch.dtype]], query: to
     elements a word); int32 block tables [seqs, width] with contiguous rows and int32 context
     lengths [seqs], contiguous, both at 4-byte boundaries (read as int32_t; query and caches are
     read with memcpy, at any address). Metadata only: nothing is read, no device synchronised, a
-    few attribute reads (1-2 us a call on the 2-core Xeon, 2026-12-06)."""
+    few attribute reads."""
     query_shape, cache_shape, table_shape, lens_shape = query.shape, key_cache.shape, block_tables.shape, \
         context_lens.shape
     if not (query.is_cpu and key_cache.is_cpu and value_cache.is_cpu and block_tables.is_cpu and context_lens.is_cpu):

@@ -62,18 +62,17 @@ def _chunk_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
 
     A chunk that starts its sequence is plain causal attention (SDPA's fused kernels, no mask).
     One that continues cached tokens needs the causal mask shifted by `start`: SDPA with that
-    mask, except on the CPU, where measurement chose by dtype and CPU. In bf16 on an AMD EPYC with
-    avx512_bf16 and no AMX, `_continuation_attention`'s GEMMs ran 1.3-2.2x faster than SDPA's
-    masked flash kernel; on a Xeon with AMX tiles SDPA ran 1.8-2.3x faster than them in bf16
-    (84 tokens after 400-2,000 cached: 0.25-1.02 ms a layer against 0.57-1.83; 2026-12-02) and
-    1.0-1.4x in float16, so half precision takes SDPA there (`HALF_CONTINUATION_GEMMS`). In
-    float32 (AVX-512 without bf16, 2026-12-01) the GEMMs ran slower than SDPA at every size
-    tried, and `_cascade_attention` beat SDPA from `CASCADE_MIN_WORK` (docs/architecture.md).
+    mask, except on the CPU, where measurement chose by dtype and CPU (docs/measurements.md,
+    "Continuation attention"). In bf16 on an AMD EPYC with avx512_bf16 and no AMX,
+    `_continuation_attention`'s GEMMs beat SDPA's masked flash kernel; on a Xeon with AMX tiles SDPA
+    beat them in bf16 and float16, so half precision takes SDPA there (`HALF_CONTINUATION_GEMMS`). In
+    float32 the GEMMs ran slower than SDPA at every size tried, and `_cascade_attention` beat SDPA
+    from `CASCADE_MIN_WORK` (docs/architecture.md).
     """
     tokens, heads, _ = q.shape
     length = start + tokens
     blocks = table[: -(-length // key_cache.shape[1])]
-    # index_select copies whole blocks; indexing (`cache[blocks]`) ran 2-5x slower (2026-12-02).
+    # index_select copies whole blocks; indexing (`cache[blocks]`) ran slower (docs/measurements.md).
     keys = key_cache.index_select(0, blocks).flatten(0, 1)[:length].to(q.dtype)  # [L, KVH, D]
     values = value_cache.index_select(0, blocks).flatten(0, 1)[:length].to(q.dtype)
     if start and q.device.type == "cpu":
@@ -119,10 +118,8 @@ def _cascade_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     Every query sees every cached token, so the cached part needs no mask: each KV head's group
     of query heads is stacked into one [group x T] problem for the CPU flash kernel. The chunk's
     own T tokens are plain causal attention. Merging the two softmaxes by their log-sum-exps is
-    exact up to rounding. Over 30 layers in float32 (2026-12-01): 102 tokens after 2,000 cached
-    took 139 ms against 156 for the masked SDPA call (205 for `_continuation_attention`), 300
-    after 3,000 took 433 against 537 (693); below `CASCADE_MIN_WORK` (102 after 992: 71 against
-    68) the extra call and the merge cost what they save.
+    exact up to rounding. It beats the masked SDPA call from `CASCADE_MIN_WORK`; below it the extra
+    call and the merge cost what they save (docs/measurements.md, "Cascade attention").
     """
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     tokens, heads, dim = q.shape

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from chatcore.cache import BlockPool, BlockTable, audit, cache_salt, longest_prefix
+from chatcore.cache import BlockPool, BlockTable, SequenceOwner, audit, cache_salt, longest_prefix
 from chatcore.cache.forecast import ReuseForecast
 
 BS = 4
@@ -75,7 +75,7 @@ def replay(policy: str, sessions: int, turns: int, capacity: int,
             clock[0] += slowdown ** turn
             prompt = histories[s] + [rng.randrange(1000) for _ in range(3 * BS - 1)]
             ids, hashes = longest_prefix(pool.find, prompt, BS, SALT, (len(prompt) - 1) // BS)
-            table = BlockTable.from_prefix(pool, ids, hashes, owner=f"s{s}")
+            table = BlockTable.from_prefix(pool, ids, hashes, owner=SequenceOwner(f"s{s}", 0))
             answer = [rng.randrange(1000) for _ in range(BS)]
             table.append_slots(len(prompt) + len(answer) - table.num_tokens)
             histories[s] = prompt + answer

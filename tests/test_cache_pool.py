@@ -10,6 +10,7 @@ import pytest
 from chatcore.cache import (
     BlockPool,
     BlockTable,
+    SequenceOwner,
     CacheError,
     NoFreeBlocks,
     audit,
@@ -22,10 +23,10 @@ from chatcore.cache import (
 SALT = cache_salt("test-model", 16, "float32")
 
 
-def filled_table(pool: BlockPool, tokens: list[int], owner: str = "", salt: bytes = SALT) -> BlockTable:
+def filled_table(pool: BlockPool, tokens: list[int], owner: str = "t", salt: bytes = SALT) -> BlockTable:
     """A table for `tokens`, reusing the longest cached prefix, with its full blocks committed."""
     ids, hashes = longest_prefix(pool.find, tokens, pool.block_size, salt)
-    table = BlockTable.from_prefix(pool, ids, hashes, owner=owner)
+    table = BlockTable.from_prefix(pool, ids, hashes, owner=SequenceOwner(owner, 0))
     table.append_slots(len(tokens) - table.num_tokens)
     table.commit(tokens, len(tokens), salt)
     return table
@@ -44,7 +45,7 @@ def test_cache_package_does_not_import_torch() -> None:
 
 def test_allocate_takes_adjacent_blocks_and_release_frees_them() -> None:
     pool = BlockPool(8, 4)
-    table = BlockTable(pool, "a")
+    table = BlockTable(pool, SequenceOwner("a", 0))
     slots, copies = table.append_slots(10)
     assert copies == []
     assert table.block_ids == [0, 1, 2]
@@ -58,15 +59,15 @@ def test_allocate_takes_adjacent_blocks_and_release_frees_them() -> None:
 
 def test_adjacency_hint_follows_the_previous_block() -> None:
     pool = BlockPool(8, 4)
-    a = BlockTable(pool, "a")
-    b = BlockTable(pool, "b")
+    a = BlockTable(pool, SequenceOwner("a", 0))
+    b = BlockTable(pool, SequenceOwner("b", 0))
     a.append_slots(4)
     b.append_slots(4)
     a.append_slots(1)  # a's last block is 0 and 1 is taken: the queue head, 2
     b.append_slots(1)  # b's last block is 1 and 2 is taken: the queue head, 3
     assert a.block_ids == [0, 2] and b.block_ids == [1, 3]
     a.release()  # frees 2, then 0, each to the queue's front: it is now 0 2 4 5 6 7
-    c = BlockTable(pool, "c")
+    c = BlockTable(pool, SequenceOwner("c", 0))
     c.append_slots(12)  # the blocks once written first (1 and 3 are taken), a fresh one only then
     assert c.block_ids == [0, 2, 4]
     assert_clean(pool)
@@ -127,7 +128,7 @@ def test_hashes_are_deterministic_across_processes() -> None:
 def test_fork_shares_and_copy_on_write_copies_partial_last_block() -> None:
     pool = BlockPool(16, 4)
     parent = filled_table(pool, list(range(10)), "parent")  # blocks: full, full, partial (2 tokens)
-    children = [parent.fork(f"child{i}") for i in range(3)]
+    children = [parent.fork(SequenceOwner("parent", i + 1)) for i in range(3)]
     assert all(pool.ref(b) == 4 for b in parent.block_ids)
     copies_seen = []
     for table in [parent, *children]:
@@ -149,7 +150,7 @@ def test_fork_shares_and_copy_on_write_copies_partial_last_block() -> None:
 def test_full_shared_block_is_never_copied() -> None:
     pool = BlockPool(8, 4)
     parent = filled_table(pool, list(range(8)))
-    child = parent.fork()
+    child = parent.fork(SequenceOwner("parent", 1))
     _slots, copies = child.append_slots(1)
     assert copies == []
     assert child.block_ids[:2] == parent.block_ids
@@ -166,7 +167,7 @@ def test_double_free_and_use_after_release_raise_without_corruption() -> None:
     with pytest.raises(CacheError, match="use after release"):
         table.append_slots(1)
     with pytest.raises(CacheError, match="use after release"):
-        table.fork()
+        table.fork(SequenceOwner("t", 1))
     with pytest.raises(CacheError, match="double free"):
         pool.dec_ref(0)
     with pytest.raises(CacheError, match="free block"):
@@ -179,9 +180,9 @@ def test_double_free_and_use_after_release_raise_without_corruption() -> None:
 
 def test_exhaustion_raises_and_leaves_state_unchanged() -> None:
     pool = BlockPool(2, 4)
-    a = BlockTable(pool, "a")
+    a = BlockTable(pool, SequenceOwner("a", 0))
     a.append_slots(8)
-    b = BlockTable(pool, "b")
+    b = BlockTable(pool, SequenceOwner("b", 0))
     with pytest.raises(NoFreeBlocks):
         b.append_slots(1)
     assert b.block_ids == [] and b.num_tokens == 0
@@ -202,7 +203,7 @@ def test_eviction_order_lru_and_deepest_first() -> None:
     newer.release()
     pool.find(pool.blocks[old_ids[0]].hash, (1, 2))  # touching the root makes it most recent
     assert pool.lru_ids()[-1] == old_ids[0]
-    hog = BlockTable(pool, "hog")
+    hog = BlockTable(pool, SequenceOwner("hog", 0))
     hog.append_slots(2 * 3)  # the 2 free blocks, then 1 eviction
     assert pool.evictions == 1
     assert pool.blocks[old_ids[2]].hash is None  # the deepest block went first
@@ -214,7 +215,7 @@ def test_evict_hook_sees_content_before_reuse() -> None:
     seen: list[tuple[int, tuple[int, ...]]] = []
     pool = BlockPool(2, 2, on_evict=lambda bid, h, toks: seen.append((bid, toks)))
     filled_table(pool, [1, 2, 3, 4]).release()
-    hog = BlockTable(pool)
+    hog = BlockTable(pool, SequenceOwner("t", 0))
     hog.append_slots(4)
     assert sorted(seen) == [(0, (1, 2)), (1, (3, 4))]
     assert_clean(pool)
@@ -224,7 +225,7 @@ def test_watermarks_gate_admission() -> None:
     pool = BlockPool(20, 4, low_watermark=0.15, high_watermark=0.3)
     assert pool.low_watermark_blocks == 3
     assert pool.can_admit(17) and not pool.can_admit(18)
-    table = BlockTable(pool)
+    table = BlockTable(pool, SequenceOwner("t", 0))
     table.append_slots(4 * 17)
     assert not pool.can_admit(1)
     assert pool.can_allocate(3) and not pool.can_allocate(4)
@@ -247,13 +248,13 @@ def test_grow_and_shrink_keep_block_ids() -> None:
 
 def test_shrink_respects_high_watermark_and_in_use_top() -> None:
     pool = BlockPool(10, 4, low_watermark=0.1, high_watermark=0.5)
-    hold = BlockTable(pool)
+    hold = BlockTable(pool, SequenceOwner("t", 0))
     hold.append_slots(4 * 4)  # blocks 0..3 in use
     removed = pool.shrink(10)
     assert pool.num_available >= pool.high_watermark * pool.num_blocks
     assert removed == 2 and pool.num_blocks == 8
     hold.release()
-    pinned_top = BlockTable(pool)
+    pinned_top = BlockTable(pool, SequenceOwner("t", 0))
     pinned_top.append_slots(4 * 8)
     assert pool.shrink(1) == 0
     assert_clean(pool)
@@ -261,8 +262,8 @@ def test_shrink_respects_high_watermark_and_in_use_top() -> None:
 
 def test_commit_with_duplicate_content_keeps_one_indexed_block() -> None:
     pool = BlockPool(8, 4)
-    a = BlockTable(pool, "a")
-    b = BlockTable(pool, "b")
+    a = BlockTable(pool, SequenceOwner("a", 0))
+    b = BlockTable(pool, SequenceOwner("b", 0))
     tokens = [5, 6, 7, 8]
     a.append_slots(4)
     b.append_slots(4)
@@ -305,7 +306,7 @@ def test_cost_policy_keeps_popular_prefixes_over_recent_lone_tails() -> None:
         filled_table(pool, [7, 7], "lone").release()  # the most recent cached-free block, never continued
         evicted: list[int] = []
         pool.on_evict = lambda block_id, _hash, _tokens: evicted.append(block_id)
-        hog = BlockTable(pool, "hog")
+        hog = BlockTable(pool, SequenceOwner("hog", 0))
         hog.append_slots(2 * 4)  # four evictions
         survived = longest_prefix(pool.find, shared, 2, SALT)[0] != []
         hog.release()
@@ -331,7 +332,7 @@ def test_cost_policy_never_evicts_a_block_whose_continuation_is_cached() -> None
         assert longest_prefix(pool.find, [1, 2, 3, 4], 2, SALT)[0] == blocks[:2]  # touches root, middle
         evicted: list[int] = []
         pool.on_evict = lambda block_id, _hash, _tokens: evicted.append(block_id)
-        hog = BlockTable(pool, "hog")
+        hog = BlockTable(pool, SequenceOwner("hog", 0))
         hog.append_slots(2 * 3)
         hog.release()
         assert_clean(pool)

@@ -13,7 +13,16 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from chatcore.cache import BlockPool, BlockTable, CacheError, NoFreeBlocks, audit, cache_salt, longest_prefix
+from chatcore.cache import (
+    BlockPool,
+    BlockTable,
+    CacheError,
+    NoFreeBlocks,
+    SequenceOwner,
+    audit,
+    cache_salt,
+    longest_prefix,
+)
 
 BLOCK_SIZE = 4
 SALT = cache_salt("stateful", BLOCK_SIZE, "float32")
@@ -52,7 +61,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(prompt=tokens_st)
     def new_sequence(self, prompt: list[int]) -> None:
         ids, hashes = longest_prefix(self.pool.find, prompt, BLOCK_SIZE, SALT)
-        table = BlockTable.from_prefix(self.pool, ids, hashes, owner=f"t{len(self.tables)}")
+        table = BlockTable.from_prefix(self.pool, ids, hashes, owner=SequenceOwner(f"t{len(self.tables)}", 0))
         tokens = list(prompt[: table.num_tokens])
         try:
             self._write(table, tokens, list(prompt[table.num_tokens:]))
@@ -75,14 +84,14 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def fork(self, data: st.DataObject) -> None:
         table, tokens = data.draw(st.sampled_from(self.tables))
-        self.tables.append((table.fork(owner=f"{table.owner}/f"), list(tokens)))
+        self.tables.append((table.fork(owner=SequenceOwner(f"t{len(self.tables)}", 0)), list(tokens)))
 
     @precondition(lambda self: self.tables)
     @rule(data=st.data(), new=tokens_st, write_child=st.booleans())
     def fork_and_write(self, data: st.DataObject, new: list[int], write_child: bool) -> None:
         """n > 1 sampling: fork, then one side writes into the shared partial block."""
         table, tokens = data.draw(st.sampled_from(self.tables))
-        child = (table.fork(owner=f"{table.owner}/w"), list(tokens))
+        child = (table.fork(owner=SequenceOwner(f"t{len(self.tables)}", 0)), list(tokens))
         self.tables.append(child)
         target = child if write_child else (table, tokens)
         try:
@@ -109,7 +118,7 @@ class CacheMachine(RuleBasedStateMachine):
             elif op == "append":
                 table.append_slots(1)
             elif op == "fork":
-                table.fork()
+                table.fork(SequenceOwner("released", 0))
             else:
                 table.commit([0] * BLOCK_SIZE, BLOCK_SIZE, SALT)
 

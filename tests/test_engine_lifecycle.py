@@ -246,9 +246,9 @@ def test_pool_grows_and_shrinks_under_a_running_request(make_core, loaded_fp32) 
     core.step()
     table_before = list(core.kv_cache.block_ids(req, req.seqs[0]))
     data_before = core.kv.data[:, :, table_before].clone()
-    assert core.resize(64) == 64 and core.kv.num_blocks == 64
-    assert core.kv_cache.block_ids(req, req.seqs[0]) == table_before
-    assert core.resize(8) == core.pool.num_blocks == core.kv.num_blocks
+    assert core.kv_cache.resize(64) == 64 and core.kv.num_blocks == 64
+    assert list(core.kv_cache.block_ids(req, req.seqs[0])) == table_before
+    assert core.kv_cache.resize(8) == core.pool.num_blocks == core.kv.num_blocks
     assert core.pool.num_blocks >= max(table_before) + 1
     assert torch.equal(core.kv.data[:, :, table_before], data_before)
     out = run_to_end(core)[req.request_id]
@@ -317,7 +317,7 @@ def test_a_preempted_beam_search_gives_back_every_beam(make_core, loaded_fp32) -
             break
     assert beams.preemptions, "the beam search was not preempted"
     report = audit(core.pool)
-    assert report.ok and all(t.owner.split("/")[0] != beams.request_id for t in report.tables), report.format()
+    assert report.ok and all(getattr(t.owner, "request_id", None) != beams.request_id for t in report.tables), report.format()
     finals = run_to_end(core, max_steps=5000)
     assert finals[beams.request_id].error is None and len(finals[beams.request_id].outputs) == 3
     _assert_idle(core)

@@ -1,7 +1,7 @@
 """The engine's one door, and the layers: checked on the source, without importing it.
 
 Code outside `chatcore.engine` holds an `InferenceEngine` and nothing of what sits behind it: it
-neither imports `EngineCore`, `Scheduler`, `BlockPool`, `KVCacheManager` or `GrammarMatchers` (nor their
+neither imports `EngineCore`, `Scheduler`, `BlockPool`, `KVCacheManager` (nor its parts) or `GrammarMatchers` (nor their
 modules) nor reaches through an engine to them (`.core`, `.scheduler`, `.pool`, `.kv_cache`, `.grammars`).
 The block pool's own package, `chatcore.cache`, is below the engine and defines `BlockPool`; the
 benchmarks (`bench/`) measure the core itself. The door takes typed commands only: no `call`, `on_thread` or `core`.
@@ -21,9 +21,11 @@ from pathlib import Path
 
 from tests.shipped_sources import REPO, ROOT, relative, shipped_files
 
-BEHIND_THE_DOOR = {"EngineCore", "Scheduler", "BlockPool", "KVCacheManager", "GrammarMatchers"}
+BEHIND_THE_DOOR = {"EngineCore", "Scheduler", "BlockPool", "KVCacheManager", "SessionPins", "DiskInstalls",
+                   "GrammarMatchers"}
 HIDDEN_MODULES = {"chatcore.engine.core", "chatcore.engine.scheduler", "chatcore.cache.pool",
-                  "chatcore.engine.kv_manager", "chatcore.engine.command_handlers", "chatcore.engine.grammar_matchers"}
+                  "chatcore.engine.kv_manager", "chatcore.engine.session_pins", "chatcore.engine.disk_installs",
+                  "chatcore.engine.command_handlers", "chatcore.engine.grammar_matchers"}
 REACH_THROUGH = {"core", "scheduler", "pool", "kv_cache", "_core", "grammars"}
 INSIDE = ("engine", "cache", "bench")  # the units that may use what is behind the door
 

@@ -383,3 +383,16 @@ def test_a_later_layer_of_a_routed_step_is_checked_too(monkeypatch):
         route.decode(torch.randn(2, 4, 32).bfloat16(), key_cache, value_cache, table, lens, 0.25)
     with pytest.raises(ValueError, match="int32"):
         route.decode(query, key_cache, value_cache, table.long(), lens, 0.25)
+
+
+def test_every_c_source_converts_bfloat16_through_the_one_header() -> None:
+    """bfloat16.h holds the one rounding rule (to nearest, ties to even; a NaN stays one): a source
+    that converts bfloat16 includes it, and no source spells the rule out again."""
+    sources = [path for path in native.SOURCES if "bfloat16" in path.read_text(encoding="utf-8").lower()]
+    assert len(sources) >= 3
+    for path in sources:
+        text = path.read_text(encoding="utf-8")
+        assert '#include "bfloat16.h"' in text, path.name
+        assert "0x7fffu" not in text, f"{path.name} rounds to bfloat16 itself"
+    header = native.HEADERS[0].read_text(encoding="utf-8")
+    assert "0x7fffu" in header

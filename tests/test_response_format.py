@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -153,3 +154,24 @@ async def test_response_format_as_a_websocket_param(server) -> None:
                                       "schema": {"type": "frob"}}}}}))
         frames = await recv_until(ws, "error")
         assert frames[-1]["code"] == "bad_request" and "frob" in frames[-1]["message"]
+
+
+async def test_a_stream_that_dead_ends_after_it_began_ends_with_one_error_event_on_every_route(server) -> None:
+    """Chat, legacy completions and a session's turn (X-Session-Id, whose failure the sessions layer hands
+    on as a typed outcome) alike: the schema dead-ends after its first token, so the stream has begun, and
+    its last event before `[DONE]` is the error body, `bad_request` naming the schema."""
+    ask = {"model": "chatcore", "max_tokens": 8, "response_format": DEAD_END, "stream": True}
+    chat = {**ask, "messages": [{"role": "user", "content": "A list, please."}]}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=120) as http:
+        session = (await http.post("/v1/sessions", json={})).json()["id"]
+        for path, body, headers in [("/v1/chat/completions", chat, {}),
+                                    ("/v1/completions", {**ask, "prompt": "A list, please."}, {}),
+                                    ("/v1/chat/completions", chat, {"X-Session-Id": session})]:
+            async with http.stream("POST", path, json=body, headers=headers) as resp:
+                assert resp.status_code == 200, (path, headers, await resp.aread())
+                events = [line.removeprefix("data: ") async for line in resp.aiter_lines() if line.startswith("data:")]
+            assert events[-1] == "[DONE]", (path, headers, events)
+            *chunks, error = [json.loads(event) for event in events[:-1]]
+            assert chunks and not [chunk for chunk in chunks if "error" in chunk], (path, headers, events)
+            assert list(error) == ["error"] and error["error"]["code"] == "bad_request", (path, headers, events)
+            assert "schema allows no output to be completed" in error["error"]["message"], (path, headers, events)

@@ -73,7 +73,7 @@ def break_matcher(core: EngineCore, req: Request) -> None:
 
 
 def break_detokenizer(core: EngineCore, req: Request) -> None:
-    core.output_processor._detok[req.seqs[0]] = Exploding("the detokenizer")
+    core.detokenizers._by_seq[req.seqs[0]] = Exploding("the detokenizer")
 
 
 def break_stop_check(core: EngineCore, req: Request) -> None:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from chatcore.cache import audit
 from chatcore.config import Settings
-from chatcore.engine.commands import Audit, ResetPrefixCache
+from chatcore.engine.commands import Audit, BlockMap, ResetPrefixCache
 from chatcore.engine.request import SamplingParams
 from chatcore.server.services import Services
-from tests.engine_helpers import LONG_SYSTEM, on_engine_thread
+from tests.engine_helpers import LONG_SYSTEM
 
 pytestmark = pytest.mark.model
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
@@ -80,12 +79,10 @@ async def test_same_system_prompt_blocks_are_shared_then_not_under_tenant_scope(
         bs = services.settings.block_size
         system_blocks = len(services.sessions.template.first_turn(LONG_SYSTEM, "x")) // bs - 1
 
-        def inspect(core):
-            a, b = (core.kv_cache.pinned_block_ids(s.id) for s in states)
-            report = audit(core.pool)
-            return a[:system_blocks], b[:system_blocks], report
-
-        a_blocks, b_blocks, report = await on_engine_thread(services.engine, inspect)
+        # each session's blocks in table order, as the operators' block map gives them: its pin's
+        mapped = {s["id"]: s["blocks"] for s in (await services.engine.send(BlockMap({})))["sessions"]}
+        a_blocks, b_blocks = (mapped[s.id][:system_blocks] for s in states)
+        report = await services.engine.send(Audit())
         assert report.ok
         if scope == "global":
             assert a_blocks == b_blocks and all(report.refs[b] == 2 for b in a_blocks)

@@ -8,6 +8,7 @@ import sqlite3
 import pytest
 
 from chatcore.engine.commands import Audit, Unpin
+from chatcore.server.errors import turn_frame
 from tests.test_sessions import GREEDY, make_services, run_turn  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.model
@@ -30,7 +31,7 @@ async def test_a_turn_whose_save_fails_ends_with_error_and_done_and_keeps_memory
     frames = await services.turns.start(state, "Name another.", GREEDY)
     follower = frames.subscribe(None)  # what an attached client receives (errors reach followers only)
     await frames.finished.wait()
-    received = [follower.get_nowait() for _ in range(follower.qsize())]
+    received = [turn_frame(follower.get_nowait()) for _ in range(follower.qsize())]  # as the server sends them
     assert [f["type"] for f in received][-2:] == ["error", "done"], received
     assert received[-2]["code"] == "internal" and received[-1]["finish_reason"] == "error"
     assert state.tokens == tokens and state.messages == messages and not state.turn_running

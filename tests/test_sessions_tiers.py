@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from chatcore.cache import audit, chain_hashes, longest_prefix
+from chatcore.cache import PrefixOwner, audit, chain_hashes, longest_prefix
 from chatcore.engine.commands import Audit, CachedPrefix, ResetPrefixCache, Unpin
 from chatcore.sessions.disk_tier import DiskTier
 from chatcore.store.db import create_engine, create_sessionmaker, migrate
@@ -231,7 +231,7 @@ def test_a_block_that_cannot_be_installed_leaves_nothing_referenced(make_core) -
     salt = core.salt()
     wrong_shape = [torch.zeros(3, 3)] * 4  # a file of another model's shape, say
     with pytest.raises(RuntimeError):
-        core.kv_cache.install(tokens, salt, 4, 0, wrong_shape, "test")
+        core.kv_cache.disk.install(tokens, salt, 4, 0, wrong_shape, PrefixOwner("test"))
     report = audit(core.pool)
     assert report.ok and report.used == 0 and not core.pool.tables, report.format()
 
@@ -306,7 +306,7 @@ async def test_a_conversation_expected_back_last_does_not_write_what_the_budget_
 
 
 async def test_a_prefetch_makes_room_by_releasing_pins_expected_back_later(make_services) -> None:  # noqa: F811
-    from chatcore.cache import BlockTable
+    from chatcore.cache import BlockTable, SequenceOwner
 
     services = await make_services(kv_disk_gb=1, hot_window_s=3600)  # pins stay until released
     services.residency.prefetch_next = lambda current: None  # only the prefetch under test reads the disk
@@ -335,13 +335,13 @@ async def test_a_prefetch_makes_room_by_releasing_pins_expected_back_later(make_
 
     def leave_room_for_one_block_less(core) -> BlockTable:
         # Other requests' blocks: the pool can take one block fewer than c's history needs.
-        filler = BlockTable(core.pool, "other requests")
+        filler = BlockTable(core.pool, SequenceOwner("other requests", 0))
         filler.append_slots((core.pool.num_available - core.pool.low_watermark_blocks - missing + 1) * bs)
         return filler
 
     filler = await on_engine_thread(services.engine, leave_room_for_one_block_less)
     try:
-        assert await on_engine_thread(services.engine, lambda core: core.kv_cache._room()) == missing - 1
+        assert await on_engine_thread(services.engine, lambda core: core.kv_cache.pins._room()) == missing - 1
         services.residency.prefetch(c)
         assert c.prefetching is not None
         assert await c.prefetching == range(in_pool, in_pool + missing)

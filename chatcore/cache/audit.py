@@ -16,12 +16,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from chatcore.cache.errors import CacheError
+from chatcore.cache.owners import TableOwner
 from chatcore.cache.pool import BlockPool
 
 
 @dataclass(slots=True)
 class TableView:
-    owner: str
+    owner: TableOwner
     block_ids: list[int]
     num_tokens: int
 
@@ -61,9 +62,9 @@ class AuditReport:
             f"blocks: total={self.total} free={self.free} cached={self.cached} used={self.used}",
             f"sum of refs={self.sum_refs}  sum of table lengths={self.sum_table_lens}",
         ]
-        for table in sorted(self.tables, key=lambda t: t.owner):
+        for table in sorted(self.tables, key=lambda t: str(t.owner)):
             cells = " ".join(f"{b}(ref {self.refs.get(b, 0)})" for b in table.block_ids)
-            lines.append(f"table {table.owner or '?'}: tokens={table.num_tokens} blocks=[{cells}]")
+            lines.append(f"table of {table.owner}: tokens={table.num_tokens} blocks=[{cells}]")
         lines.append("audit: " + ("ok" if self.ok else f"{len(self.violations)} violation(s)"))
         lines.extend(f"  ! {v}" for v in self.violations)
         return "\n".join(lines)
@@ -90,7 +91,7 @@ def audit(pool: BlockPool) -> AuditReport:
         used=used,
         sum_refs=sum_refs,
         sum_table_lens=sum_lens,
-        tables=[TableView(t.owner or f"table@{id(t):x}", list(t.block_ids), t.num_tokens) for t in tables],
+        tables=[TableView(t.owner, list(t.block_ids), t.num_tokens) for t in tables],
         refs={b.id: b.ref for b in pool.blocks if b.ref > 0},
         alloc_sites={b.id: b.alloc_site for b in pool.blocks if b.alloc_site is not None},
         violations=violations,
@@ -102,7 +103,7 @@ def _check_tables(pool: BlockPool, violations: list[str]) -> Counter[int]:
     bs = pool.block_size
     mapped: Counter[int] = Counter()
     for table in pool.tables:
-        name = table.owner or f"table@{id(table):x}"
+        name = f"the table of {table.owner}"
         mapped.update(table.block_ids)
         if table.released:
             violations.append(f"{name}: released but still attached")

@@ -22,8 +22,8 @@ turns than fit, LRU always evicts the conversation that comes next, and every tu
   soonest of all, the latest first; one late by more than a whole gap (its user went away) waits
   longer the longer it stays away. Before any gap is known, the wait is the time since the last
   use (LRU). A round robin whose turns slow down (histories grow) makes every conversation a
-  little late: counting that as "away" made the next in line the victim, which is LRU again (a
-  live 32-session trace lost 29 of 32 conversations at its last turn, 2026-12-02).
+  little late: counting that as "away" made the next in line the victim, which is LRU again
+  (docs/measurements.md, "Late is not away").
 * evicts from the group with the longest wait per unit of recompute cost of its tail block
   (`victim`), and keeps that victim until it has no evictable block left or claims a chain again:
   conversations are lost whole, from the tail, rather than every conversation losing its tail.

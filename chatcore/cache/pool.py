@@ -12,8 +12,8 @@ Invariants (checked by `chatcore.cache.audit`):
   the free queue (an evicted block too), where allocation takes it next: a block once written
   has its memory committed, so the pool's resident memory stays at the most blocks ever in use
   at once, and new blocks (at the back, as the pool made or grew them) are touched only when
-  those run out. On the CPU a block's first write faults its pages in: a fresh pool's 512-token
-  prefill step spent 33 of its 240 ms on them (2026-12-06). Callers release a table deepest block
+  those run out. On the CPU a block's first write faults its pages in, a large share of a fresh
+  pool's prefill step (docs/measurements.md, "First writes"). Callers release a table deepest block
   first, so among blocks freed together the longest-prefix ones are evicted first and shared
   roots survive.
 * Eviction policy `lru` takes the least recently used cached-free block. Policy `cost` looks at
@@ -41,6 +41,7 @@ from typing import Protocol
 
 from chatcore.cache.errors import CacheError, NoFreeBlocks
 from chatcore.cache.forecast import ReuseForecast
+from chatcore.cache.owners import TableOwner
 from chatcore.cache.prefix import PrefixIndex
 
 EvictHook = Callable[[int, bytes, tuple[int, ...]], None]
@@ -52,9 +53,10 @@ DEFAULT_EVICTION = "session"
 
 class AttachedTable(Protocol):
     """What the pool knows of a table mapping its blocks (a `BlockTable`, whose module imports
-    this one and not the reverse): for the audit and the block map."""
+    this one and not the reverse): for the audit and the block map. Its `owner` is typed
+    (`chatcore.cache.owners`): the registry says who holds each table without a name to parse."""
 
-    owner: str
+    owner: TableOwner
     block_ids: list[int]
     num_tokens: int
 
@@ -345,7 +347,7 @@ class BlockPool:
             removed += 1
         return removed
 
-    # ----- tables --------------------------------------------------------------------------
+    # ----- tables: the registry of live tables, each with its typed owner -------------------
     def attach(self, table: AttachedTable) -> None:
         self._tables[table] = None
 

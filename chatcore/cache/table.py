@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from chatcore.cache.errors import CacheError, NoFreeBlocks
+from chatcore.cache.owners import TableOwner
 from chatcore.cache.pool import BlockPool
 from chatcore.cache.prefix import ROOT_HASH, hash_block
 
@@ -23,7 +24,7 @@ Copy = tuple[int, int]
 
 
 class BlockTable:
-    def __init__(self, pool: BlockPool, owner: str = "") -> None:
+    def __init__(self, pool: BlockPool, owner: TableOwner) -> None:
         self.pool = pool
         self.owner = owner
         self.block_ids: list[int] = []
@@ -34,7 +35,7 @@ class BlockTable:
 
     @classmethod
     def from_prefix(cls, pool: BlockPool, block_ids: Sequence[int], hashes: Sequence[bytes],
-                    owner: str = "") -> BlockTable:
+                    owner: TableOwner) -> BlockTable:
         """A table over cached full blocks (a prefix hit); each gains a reference."""
         if len(block_ids) != len(hashes):
             raise CacheError("a prefix needs one hash per block")
@@ -59,7 +60,7 @@ class BlockTable:
 
     def _check_live(self) -> None:
         if self._released:
-            raise CacheError(f"use after release of table {self.owner or id(self)}")
+            raise CacheError(f"use after release of table of {self.owner}")
 
     def _last_block_shared(self) -> bool:
         return self.num_tokens % self.block_size != 0 and self.pool.ref(self.block_ids[-1]) > 1
@@ -79,7 +80,7 @@ class BlockTable:
             return [], []
         needed = self.blocks_needed(num_new_tokens)
         if not self.pool.can_allocate(needed):
-            raise NoFreeBlocks(f"table {self.owner!r} needs {needed} blocks, "
+            raise NoFreeBlocks(f"the table of {self.owner} needs {needed} blocks, "
                                f"{self.pool.num_available} available")
         copies: list[Copy] = []
         if self._last_block_shared():
@@ -102,7 +103,7 @@ class BlockTable:
             raise CacheError(f"position {position} outside table of {self.num_tokens} tokens")
         return self.block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
-    def fork(self, owner: str = "") -> BlockTable:
+    def fork(self, owner: TableOwner) -> BlockTable:
         """A new table sharing every block of this one (each ref +1)."""
         self._check_live()
         child = BlockTable(self.pool, owner)

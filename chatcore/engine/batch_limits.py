@@ -3,8 +3,7 @@
 - CPU: 512 tokens and 64 sequences. A step's time grows with its tokens on two cores, so a larger
   prefill chunk only delays the decode rows batched beside it (docs/benchmarks.md).
 - CUDA: 8192 tokens and 256 sequences. A step there is bound by launches and Python, not by its
-  size: on an H200, 64 chats ran at 1,090 tok/s with the CPU's bounds and 2,268 with 8192 tokens,
-  and 256 chats at 5,793 with 8192 and 256 (a standalone probe on a lent H200, 2026-12-04).
+  size, so larger bounds serve more chats faster (docs/measurements.md, "Step bounds on a GPU").
 """
 
 from __future__ import annotations

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from chatcore.cache import BlockPool, audit
+from chatcore.cache import BlockPool, PinOwner, PrefetchOwner, PrefixOwner, SequenceOwner, TableOwner, audit
 
 
 def block_map(pool: BlockPool, session_of_request: dict[str, str]) -> dict[str, Any]:
-    """The audit plus which sessions map which blocks: a pinned table names its session, a
-    request's table the session `session_of_request` gives its request id."""
+    """The audit plus which sessions map which blocks: a pin's (or a prefetch's) table names its
+    session, a request's table the session `session_of_request` gives its request id."""
     report = audit(pool)
     owners, per_session = _owners(pool, session_of_request)
     blocks = []
@@ -34,13 +34,18 @@ def _owners(pool: BlockPool, session_of_request: dict[str, str]) -> tuple[dict[i
     owners: dict[int, set[str]] = {}
     per_session: dict[str, dict[int, None]] = {}
     for table in pool.tables:
-        owner = table.owner
-        if owner.startswith("session:"):
-            session = owner.removeprefix("session:")
-        else:
-            session = session_of_request.get(owner.split("/")[0], "")
+        session = _session(table.owner, session_of_request)
         if session:
             for block_id in table.block_ids:
                 owners.setdefault(block_id, set()).add(session)
             per_session.setdefault(session, {}).update(dict.fromkeys(table.block_ids))
     return owners, per_session
+
+
+def _session(owner: TableOwner, session_of_request: dict[str, str]) -> str | None:
+    """The session a table's owner maps its blocks for, if any."""
+    match owner:
+        case PinOwner(session_id=session) | PrefetchOwner(session_id=session):
+            return session
+        case SequenceOwner(request_id=request) | PrefixOwner(request_id=request):
+            return session_of_request.get(request)

@@ -9,8 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from chatcore.cache import audit
-from chatcore.engine.block_map import block_map
 from chatcore.engine.commands import (
     Abort,
     AddRequest,
@@ -40,22 +38,21 @@ class CommandHandlers:
         self._core = core
         self._dispatch = dispatch
         kv = core.kv_cache
-        pool = core.pool
         self._table: dict[type[Command[Any]], Callable[[Any], Any]] = {
             AddRequest: lambda c: core.add(c.request, c.prefix),
             Abort: self._abort,
-            Unpin: lambda c: kv.unpin(c.session_id),
-            DropSession: lambda c: kv.drop(c.session_id),
-            PinnedBlocks: lambda c: kv.pinned_blocks(c.session_id),
+            Unpin: lambda c: kv.pins.unpin(c.session_id),
+            DropSession: lambda c: kv.pins.drop(c.session_id),
+            PinnedBlocks: lambda c: kv.pins.blocks(c.session_id),
             CachedPrefix: self._cached_prefix,
-            Prefetch: lambda c: kv.prefetch(c.session_id, c.tokens, c.salt, c.device_blocks, c.tensors),
-            ReadBlocks: lambda c: kv.read(c.hashes),
-            BlockMap: lambda c: block_map(pool, c.session_of_request),
-            Stats: lambda c: pool.stats(),
-            Audit: lambda c: audit(pool),
-            NumBlocks: lambda c: pool.num_blocks,
-            Resize: lambda c: core.resize(c.num_blocks),
-            ResetPrefixCache: lambda c: pool.evict_cached(),
+            Prefetch: lambda c: kv.disk.prefetch(c.session_id, c.tokens, c.salt, c.device_blocks, c.tensors),
+            ReadBlocks: lambda c: kv.disk.read(c.hashes),
+            BlockMap: lambda c: kv.block_map(c.session_of_request),
+            Stats: lambda c: kv.stats(),
+            Audit: lambda c: kv.audit(),
+            NumBlocks: lambda c: kv.num_blocks,
+            Resize: lambda c: kv.resize(c.num_blocks),
+            ResetPrefixCache: lambda c: kv.reset_prefix_cache(),
         }
 
     def handle(self, command: Command[R]) -> R:
@@ -75,4 +72,4 @@ class CommandHandlers:
         kv = self._core.kv_cache
         if command.session_id is not None and command.session_id in kv.pinned_sessions:
             return command.max_blocks
-        return kv.cached_prefix(command.tokens, command.salt, command.max_blocks)
+        return kv.disk.cached_prefix(command.tokens, command.salt, command.max_blocks)

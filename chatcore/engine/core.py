@@ -1,8 +1,13 @@
 """The synchronous engine: its loop, `add`, `abort` and the audit.
 
-A step reads as: schedule (`Scheduler`), run the model (`ModelRunner`), sample (`StepSampler.sample`:
-forks, masks, choices, beam search, the one download), process the outputs
-(`OutputProcessor.process`: tokens appended, stops, text), then finish the requests that ended.
+A step walks down and back once, each stage handing the next a record of engine/step_types.py:
+schedule (`Scheduler.schedule` → `StepPlan`; it asks the KV cache manager for slots), run the model
+(`ModelRunner.execute` → logits), sample (`StepSampler.sample` → `Sampled`: tokens, forks and beam
+candidates as data; it changes no request), update (`StepUpdate.update_from_output` → `Updated`: the
+one place a step's outcome changes state: computed tokens, hashed blocks, forks, beams, appended
+tokens, stops, freed samples, failed rows), report (`OutputProcessor.process`: the deltas), then
+finish the requests the update left with no live sequence. Around it: the grammar masks' hold before
+scheduling, the hooks and the debug audit after.
 Only the thread that calls `step()` touches the block pool, the tables and the KV tensors.
 Every exit path of a request (stop, length, abort, busy, error) goes through `_finish`, which
 gives all of its tables back to the KV cache manager (`KVCacheManager.free`); a session's turn
@@ -21,8 +26,8 @@ import torch
 from chatcore.cache import BlockPool, CacheError, audit, cache_salt
 from chatcore.config import Settings
 from chatcore.engine.batch_limits import batch_limits
-from chatcore.engine.beams import Beams
 from chatcore.engine.commands import SessionPrefix
+from chatcore.engine.detok import Detokenizers
 from chatcore.engine.errors import describe_failure
 from chatcore.engine.grammar import CompilePolicy, GrammarCompiler
 from chatcore.engine.grammar_matchers import GrammarMatchers
@@ -32,11 +37,12 @@ from chatcore.engine.output_processor import OutputProcessor
 from chatcore.engine.outputs import RequestOutput
 from chatcore.engine.penalties import Penalties
 from chatcore.engine.pool_sizing import depth_cost, kv_storage_dtype, pool_size
-from chatcore.engine.request import Request, SamplingParams
-from chatcore.engine.row_faults import RowFaults
+from chatcore.engine.request import Request, SamplingParams, TokenSequence
 from chatcore.engine.runner import ModelRunner
-from chatcore.engine.scheduler import Scheduler, StepPlan
+from chatcore.engine.scheduler import Scheduler
 from chatcore.engine.step_sampler import StepSampler
+from chatcore.engine.step_types import StepPlan
+from chatcore.engine.step_update import StepUpdate
 from chatcore.kv.tensors import KVTensors
 from chatcore.models.loader import LoadedModel
 from chatcore.models.paged_attention import check_route
@@ -69,7 +75,6 @@ class EngineCore:
         if loaded.device.type == "cuda" and settings.cuda_graphs:
             self.runner.enable_decode_graphs(limits.max_num_seqs, self.scheduler.max_context, capture=True)
         self.requests: dict[str, Request] = {}
-        beams = Beams(self.kv_cache, lambda req: self.output_processor.stop_ids(req.params))
         self._penalties = Penalties(self.vocab_size, loaded.device)
         # Grammars: the callers' compile half (thread-safe; the door hands it out), and the matchers,
         # which only this core holds and only the engine thread touches.
@@ -77,10 +82,11 @@ class EngineCore:
             settings.grammar_compile_threads, settings.grammar_compile_timeout_s, settings.grammar_cache_mb << 20))
         self.grammars = GrammarMatchers(self.vocab_size, self.grammar_compiler.compile)
         self.mask_budget = MaskBudget(settings.grammar_mask_share)
-        self.step_sampler = StepSampler(self.kv_cache, beams, self._penalties, self.grammars, self.mask_budget,
+        self.detokenizers = Detokenizers(self.tokenizer)
+        self.update = StepUpdate(self.kv_cache, self.grammars, self.detokenizers, loaded.stop_token_ids)
+        self.step_sampler = StepSampler(self.update.beams, self._penalties, self.grammars, self.mask_budget,
                                         self.runner.transfers, loaded.device)
-        self.output_processor = OutputProcessor(self.tokenizer, loaded.stop_token_ids, self.kv_cache, self.grammars,
-                                                beams)
+        self.output_processor = OutputProcessor(self.tokenizer, self.detokenizers, self.update.beams)
         self.on_step: list[Callable[[StepPlan], None]] = []
         self.steps = 0
         # Why the last step that ran the model failed; None once one succeeds (readiness reads it).
@@ -151,67 +157,57 @@ class EngineCore:
         return any(req.first_token is None for req in self.requests.values())
 
     def tend_pins(self) -> None:
-        """Expire and trim the sessions' pins (`KVCacheManager.tend_pins`), between two steps."""
-        self.kv_cache.tend_pins(self.settings.max_hot_sessions, self.settings.pinned_kv_fraction)
-
-    def resize(self, num_blocks: int) -> int:
-        """Grow or shrink the pool and its tensors together; block ids never change.
-
-        Shrinking removes only free or cached-free blocks from the top of the id space, and
-        never below the high watermark of available blocks. Returns the new size.
-        """
-        current = self.pool.num_blocks
-        if num_blocks > current:
-            self.kv.resize(num_blocks)
-            self.pool.grow(num_blocks - current)
-        elif num_blocks < current:
-            self.pool.shrink(current - num_blocks)
-            self.kv.resize(self.pool.num_blocks)
-        return self.pool.num_blocks
+        """Expire and trim the sessions' pins (`SessionPins.tend`), between two steps."""
+        self.kv_cache.pins.tend(self.settings.max_hot_sessions, self.settings.pinned_kv_fraction)
 
     # ----- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
-        held = self.mask_budget.hold([*self.scheduler.running, *self.scheduler.waiting], self.grammars.constrained) \
-            if self.grammars.active else frozenset()
-        plan = self.scheduler.schedule(held)
-        outputs: dict[str, RequestOutput] = {}
-        for req in plan.failed:
-            outputs[req.request_id] = self._finish(req)
-        for req in plan.preempted:
-            outputs.setdefault(req.request_id, RequestOutput(req.request_id)).preempted = True
+        plan = self.scheduler.schedule(self._held())
+        outputs = self._unscheduled(plan)
         if plan.empty:
             return list(outputs.values())
-        entries = plan.decode + plan.prefill
         try:
             logits = self.runner.execute(plan)
         except Exception as exc:  # a failed forward fails its requests, never the engine
-            log.exception("engine step failed")
-            self.step_failure = describe_failure(exc)
-            if isinstance(exc, torch.AcceleratorError):
-                self.device_lost = self.step_failure
-            for req in dict.fromkeys(e.req for e in entries):
-                req.fail(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", FinishReason.ERROR)
-                outputs[req.request_id] = self._finish(req)
-            return list(outputs.values())
+            return self._forward_failed(plan, exc, outputs)
         self.steps += 1
         self.step_failure = None
-        for entry in entries:
-            seq = entry.seq
-            seq.num_computed = entry.start + entry.num_tokens
-            self.kv_cache.cache_blocks(entry.req, seq)
-        faults = RowFaults()
-        sampled = self.step_sampler.sample(entries, logits, faults)
-        self.output_processor.process(sampled, outputs, faults)
+        sampled = self.step_sampler.sample(plan.entries, logits)
+        updated = self.update.update_from_output(plan, sampled)
+        self.output_processor.process(updated, outputs)
         self.mask_budget.forward_took(1000 * (time.perf_counter() - started) - sampled.mask_ms,
                                       decode=not plan.prefill)
-        for req in dict.fromkeys(e.req for e in entries):
-            if not req.finished and not req.live_seqs:
-                outputs[req.request_id] = self.output_processor.merge(outputs.get(req.request_id), self._finish(req))
+        for req in updated.ended:
+            outputs[req.request_id] = self.output_processor.merge(outputs.get(req.request_id), self._finish(req))
         for hook in self.on_step:
             hook(plan)
         if self.settings.debug_audit:
             audit(self.pool).raise_if_bad()
+        return list(outputs.values())
+
+    def _held(self) -> frozenset[TokenSequence]:
+        """The constrained decode rows whose tenant's grammar masks are past its share (`MaskBudget.hold`)."""
+        if not self.grammars.active:
+            return frozenset()
+        return self.mask_budget.hold([*self.scheduler.running, *self.scheduler.waiting], self.grammars.constrained)
+
+    def _unscheduled(self, plan: StepPlan) -> dict[str, RequestOutput]:
+        """The outputs of the requests scheduling failed (ended now) and preempted."""
+        outputs = {req.request_id: self._finish(req) for req in plan.failed}
+        for req in plan.preempted:
+            outputs.setdefault(req.request_id, RequestOutput(req.request_id)).preempted = True
+        return outputs
+
+    def _forward_failed(self, plan: StepPlan, exc: Exception, outputs: dict[str, RequestOutput]) -> list[RequestOutput]:
+        """A failed forward pass fails the step's requests (the device's loss stops every later step)."""
+        log.exception("engine step failed", exc_info=exc)
+        self.step_failure = describe_failure(exc)
+        if isinstance(exc, torch.AcceleratorError):
+            self.device_lost = self.step_failure
+        for req in dict.fromkeys(e.req for e in plan.entries):
+            req.fail(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", FinishReason.ERROR)
+            outputs[req.request_id] = self._finish(req)
         return list(outputs.values())
 
     # ----- finishing ---------------------------------------------------------------------------

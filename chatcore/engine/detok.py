@@ -61,3 +61,33 @@ class IncrementalDetokenizer:
         delta = self.text[self.emitted:safe]
         self.emitted = safe
         return delta
+
+
+class Detokenizers:
+    """Each sequence's detokenizer, by sequence. The step's update pushes each appended token (stop
+    strings are matched on the text, and a stop check decides what the step frees); the output
+    processor reads a finished request's texts, then lets them go."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._by_seq: dict[object, IncrementalDetokenizer] = {}
+
+    def push(self, seq: object, stop: tuple[str, ...], token_id: int) -> tuple[str, bool]:
+        """Add one generated id to the sequence's text; returns the newly safe text and whether a stop
+        string has matched."""
+        detok = self._by_seq.get(seq)
+        if detok is None:
+            detok = self._by_seq[seq] = IncrementalDetokenizer(self.tokenizer, stop)
+        return detok.push(token_id), detok.stopped
+
+    def flush(self, seq: object) -> str:
+        """The sequence ended: whatever text it held back."""
+        return self._by_seq[seq].flush()
+
+    def text(self, seq: object) -> str:
+        """The sequence's whole text so far ("" when it has none)."""
+        detok = self._by_seq.get(seq)
+        return detok.text if detok is not None else ""
+
+    def release(self, seq: object) -> None:
+        self._by_seq.pop(seq, None)

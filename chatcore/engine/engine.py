@@ -66,7 +66,7 @@ def engine_info(core: EngineCore) -> EngineInfo:
     return EngineInfo(
         model_name=loaded.path.name, device=str(loaded.device), model_dtype=loaded.dtype_name,
         fingerprint=loaded.fingerprint, tokenizer=core.tokenizer, stop_token_ids=frozenset(loaded.stop_token_ids),
-        block_size=core.pool.block_size, max_context=core.scheduler.max_context,
+        block_size=core.kv_cache.block_size, max_context=core.scheduler.max_context,
         max_num_seqs=core.scheduler.max_num_seqs, vocab_size=core.vocab_size,
         kv_dtype=str(core.kv.dtype).removeprefix("torch."),
         kv_bytes_per_token=KVTensors.bytes_per_block(loaded.num_layers, 1, loaded.num_kv_heads, loaded.head_dim,

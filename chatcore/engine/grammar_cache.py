@@ -1,8 +1,7 @@
 """Compiled grammars kept for reuse, bounded by the memory they really hold.
 
-xgrammar's own cache counts far less than its entries hold (measured 2026-12-06, xgrammar 0.2.9: a 30 KB
-enum of 1,000 distinct 27-character values counted 0.1 MB an entry in its cache's size, against 7-7.6 MB
-of RSS each), so it is disabled and this cache bounds what the grammars hold instead.
+xgrammar's own cache counts far less than its entries hold (docs/measurements.md, "Grammar sizes"), so it
+is disabled and this cache bounds what the grammars hold instead.
 
 Invariants:
 - an entry's size is `entry_bytes`: the grammar's `memory_size_bytes` (xgrammar's count of the grammar

@@ -1,12 +1,10 @@
-"""A step's outputs: each sampled token appended, its stop checks, its text, and a request's final report.
+"""A step's outputs, and a finished request's report: it builds outputs and changes no request,
+table or token list.
 
-`OutputProcessor.process` is its one entry point in a step: for each plain sample's token (`Sampled.tokens`,
-in row order) the sequence's grammar advances, the token joins the sequence, the stop checks run (stop
-ids, stop strings, a grammar's end, `max_tokens`) and the detokenizer's new text goes into the step's
-`RequestOutput` deltas. A sequence that finishes gives its table back at once, except a session's
-turn's first sample, which the engine keeps to the end as the session's pin. A fault of one request's
-token fails that request alone (`RowFaults`). `finish` builds a finished request's one final output
-(its completed sequences, usage, timings) once the engine's exit path has released it.
+`OutputProcessor.process` is its one entry point in a step: each token the step's update appended
+(`Updated.appended`, in row order) becomes a delta of its request's `RequestOutput`, with the text the
+update's detokenizing released. `finish` builds a finished request's one final output (its completed
+sequences and their texts, usage, timings) once the engine's exit path has released it.
 """
 
 from __future__ import annotations
@@ -15,69 +13,28 @@ import time
 from typing import Any
 
 from chatcore.engine.beams import Beams
-from chatcore.engine.detok import IncrementalDetokenizer
-from chatcore.engine.grammar_matchers import GrammarMatchers
-from chatcore.engine.kv_manager import KVCacheManager
-from chatcore.engine.outputs import CompletedSeq, RequestOutput, SeqDelta, Timings, TokenLogprob, Usage
-from chatcore.engine.request import Request, SamplingParams, TokenSequence
-from chatcore.engine.row_faults import RowFaults
-from chatcore.engine.step_sampler import Sampled
+from chatcore.engine.detok import Detokenizers
+from chatcore.engine.outputs import CompletedSeq, RequestOutput, SeqDelta, Timings, Usage
+from chatcore.engine.request import Request, TokenSequence
+from chatcore.engine.step_types import Updated
 from chatcore.outcomes import FinishReason
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, stop_token_ids: frozenset[int], kv_cache: KVCacheManager,
-                 grammars: GrammarMatchers, beams: Beams) -> None:
+    def __init__(self, tokenizer: Any, texts: Detokenizers, beams: Beams) -> None:
         self.tokenizer = tokenizer
-        self.stop_token_ids = stop_token_ids
-        self.kv_cache = kv_cache
-        self.grammars = grammars
+        self.texts = texts
         self._beams = beams
-        self._detok: dict[TokenSequence, IncrementalDetokenizer] = {}
 
-    def process(self, sampled: Sampled, outputs: dict[str, RequestOutput], faults: RowFaults) -> None:
-        """The step's sampled tokens into their sequences and `outputs`."""
-        for req in sampled.beams:
+    @staticmethod
+    def process(updated: Updated, outputs: dict[str, RequestOutput]) -> None:
+        """The step's appended tokens as their requests' deltas in `outputs`."""
+        for req in updated.beams:
             outputs.setdefault(req.request_id, RequestOutput(req.request_id))
-        for req, seq, token, logprob in sampled.tokens(faults):
-            faults.run(req, "choosing its token", lambda req=req, seq=seq, token=token, logprob=logprob:
-                       self._take(req, seq, token, sampled.now, outputs, logprob))
-
-    def _take(self, req: Request, seq: TokenSequence, token: int, now: float, outputs: dict[str, RequestOutput],
-              logprob: TokenLogprob | None) -> None:
-        """A plain sample's chosen token: its grammar advances, then it joins the sequence."""
-        complete = self.grammars.constrained(seq) and self.grammars.accept(seq, token)
-        self._append_token(req, seq, token, now, outputs, logprob, complete)
-
-    def stop_ids(self, params: SamplingParams) -> frozenset[int]:
-        if params.ignore_eos:
-            return frozenset(params.stop_token_ids)
-        return self.stop_token_ids | frozenset(params.stop_token_ids)
-
-    def _append_token(self, req: Request, seq: TokenSequence, token: int, now: float,
-                      outputs: dict[str, RequestOutput], logprob: TokenLogprob | None = None,
-                      complete: bool = False) -> None:
-        """`complete`: the sequence's grammar has accepted its whole output (it stops, EOS ignored or not)."""
-        seq.tokens.append(token)
-        if logprob is not None:
-            seq.logprobs.append(logprob)
-        if req.first_token is None:
-            req.first_token = now
-        if seq.index == 0:
-            req.token_times.append(now)
-        detok = self._detok.get(seq)
-        if detok is None:
-            detok = self._detok[seq] = IncrementalDetokenizer(self.tokenizer, req.params.stop)
-        text = detok.push(token)
-        if token in self.stop_ids(req.params) or detok.stopped or complete:
-            seq.finish_reason = FinishReason.STOP
-        elif seq.num_generated >= req.params.max_tokens:
-            seq.finish_reason = FinishReason.LENGTH
-        if seq.finished:
-            text += detok.flush()
-            self.kv_cache.finish_seq(req, seq)  # a session's turn keeps its first sample's to the end
-        out = outputs.setdefault(req.request_id, RequestOutput(req.request_id))
-        out.deltas.append(SeqDelta(seq.index, [token], text, [logprob] if logprob is not None else None))
+        for done in updated.appended:
+            out = outputs.setdefault(done.req.request_id, RequestOutput(done.req.request_id))
+            out.deltas.append(SeqDelta(done.seq.index, [done.token], done.text,
+                                       [done.logprob] if done.logprob is not None else None))
 
     # ----- finishing ---------------------------------------------------------------------------
     def finish(self, req: Request, pinned: list[bytes]) -> RequestOutput:
@@ -87,7 +44,7 @@ class OutputProcessor:
                             pinned_hashes=pinned)
         out.outputs = self._beams.finish(req, self._decode) or [self._completed(req, seq) for seq in req.seqs]
         for seq in req.seqs:
-            self._detok.pop(seq, None)
+            self.texts.release(seq)
         completion = sum(len(o.token_ids) for o in out.outputs)
         out.usage = Usage(len(req.prompt), req.cached_tokens, completion, req.cached_disk_tokens)
         out.timings = self._timings(req)
@@ -103,9 +60,8 @@ class OutputProcessor:
     def _text(self, req: Request, seq: TokenSequence) -> str:
         """The sequence's text so far. A failed request's detokenizer may be the part that failed: its text
         is then empty (the deltas already streamed stand), so that its exit path still completes."""
-        detok = self._detok.get(seq)
         try:
-            return detok.text if detok is not None else ""
+            return self.texts.text(seq)
         except Exception:
             if req.error is None:
                 raise

@@ -1,10 +1,12 @@
-"""Faults of one request's rows, kept inside that request.
+"""Faults of one request's rows, kept inside that request, as data.
 
-Everything a step does for one request after the shared forward pass (its grammar mask, its
+Everything a step does for one request after the shared forward pass (its fork, its grammar mask, its
 penalties and draw, its beam search, its detokenizing and stop checks) runs through `RowFaults.run`.
-An exception there marks that request failed (`internal`, with what failed and why) and the step
-goes on for every other request; the engine then finishes the failed ones through its one exit
-path. Only a fault of the shared forward pass fails a whole step's requests.
+An exception there records that request's fault (`internal`, with what failed and why) and the step
+goes on for every other request. Recording changes nothing: the sampler only records, so no request
+fails while a caller iterates over the step's rows; the step's update (`engine/step_update.py`) fails
+the recorded requests once (`apply`), and the engine finishes them through its one exit path. Only a
+fault of the shared forward pass fails a whole step's requests.
 """
 
 from __future__ import annotations
@@ -23,11 +25,15 @@ T = TypeVar("T")
 
 class RowFaults:
     def __init__(self) -> None:
-        self.failed: list[Request] = []
+        self._faults: dict[Request, tuple[ErrorCode, str]] = {}
+
+    def ok(self, req: Request) -> bool:
+        """Whether `req` has neither failed nor a fault recorded here."""
+        return req.error is None and req not in self._faults
 
     def run(self, req: Request, what: str, fn: Callable[[], T]) -> T | None:
-        """`fn()`, or None when it raises (the request is then failed) or the request failed already."""
-        if req.error is not None:
+        """`fn()`, or None when it raises (the fault is recorded) or the request has a fault already."""
+        if not self.ok(req):
             return None
         try:
             return fn()
@@ -37,7 +43,12 @@ class RowFaults:
             return None
 
     def fail(self, req: Request, message: str, code: ErrorCode = ErrorCode.INTERNAL) -> None:
-        """Fail `req` alone with `code` (`internal` unless the fault is the client's; its first failure stands)."""
-        if req.error is None:
-            req.fail(code, message, FinishReason.ERROR)
-            self.failed.append(req)
+        """Record `req`'s fault with `code` (`internal` unless the fault is the client's; its first stands)."""
+        if self.ok(req):
+            self._faults[req] = (code, message)
+
+    def apply(self) -> None:
+        """Fail each request with its recorded fault (the update's to call, once the step's rows are read)."""
+        for req, (code, message) in self._faults.items():
+            if req.error is None:
+                req.fail(code, message, FinishReason.ERROR)

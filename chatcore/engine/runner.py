@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from chatcore.engine.decode_graphs import DecodeGraphs, host_layout
-from chatcore.engine.scheduler import ScheduledSeq, StepPlan
+from chatcore.engine.step_types import ScheduledSeq, StepPlan
 from chatcore.engine.transfers import StepTransfers
 from chatcore.kv.tensors import KVTensors
 from chatcore.models.loader import LoadedModel

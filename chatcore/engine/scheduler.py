@@ -35,58 +35,14 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
 
 from chatcore.engine import fair_share
 from chatcore.engine.errors import QueueFull
 from chatcore.engine.fits import check_fits
 from chatcore.engine.kv_manager import KVCacheManager
 from chatcore.engine.request import Request, RequestState, TokenSequence
+from chatcore.engine.step_types import ScheduledSeq, StepPlan
 from chatcore.outcomes import ErrorCode, FinishReason
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    req: Request
-    seq: TokenSequence
-    start: int
-    num_tokens: int
-    slots: list[int]
-    copies: list[tuple[int, int]]
-    # The sequence's physical blocks, in logical order (`KVCacheManager.block_ids`): the step's block table row.
-    block_ids: list[int] = field(default_factory=list)
-
-    @property
-    def samples(self) -> bool:
-        """After this chunk the sequence's KV covers all its tokens: its logits are needed."""
-        return self.start + self.num_tokens == len(self.seq.tokens)
-
-
-@dataclass(slots=True)
-class StepPlan:
-    decode: list[ScheduledSeq] = field(default_factory=list)
-    prefill: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    failed: list[Request] = field(default_factory=list)
-
-    @property
-    def empty(self) -> bool:
-        return not self.decode and not self.prefill
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decode) + sum(s.num_tokens for s in self.prefill)
-
-    @property
-    def copies(self) -> list[tuple[int, int]]:
-        return [c for entry in (*self.decode, *self.prefill) for c in entry.copies]
-
-    def drop(self, req: Request) -> int:
-        """Remove a preempted request's entries; returns the tokens they had taken."""
-        dropped = [e for e in (*self.decode, *self.prefill) if e.req is req]
-        self.decode = [e for e in self.decode if e.req is not req]
-        self.prefill = [e for e in self.prefill if e.req is not req]
-        return sum(e.num_tokens for e in dropped)
 
 
 class Scheduler:
@@ -274,7 +230,7 @@ class Scheduler:
                 self.waiting.remove(req)
                 deferred.append(req)
                 continue
-            if not self.kv_cache.can_admit(req, alone=not self.running):
+            if not self._reclaim_room(req):
                 self.kv_cache.unwind(req)
                 break
             self.waiting.remove(req)
@@ -288,6 +244,16 @@ class Scheduler:
                 break
             inflight.update(self._inflight(req))
         self.waiting.extendleft(reversed(deferred))
+
+    def _reclaim_room(self, req: Request) -> bool:
+        """Whether the pool takes the looked-up request (`can_admit`, a question); if not, the sessions'
+        pins are reclaimed for it (`reclaim_pins_for`, an action) and the question asked again, this
+        time keeping the low watermark free even when nothing runs: room made by reclaiming pins is
+        taken only above the watermark (the request waits a step otherwise)."""
+        if self.kv_cache.can_admit(req, alone=not self.running):
+            return True
+        self.kv_cache.reclaim_pins_for(req)
+        return self.kv_cache.can_admit(req, alone=False)
 
     def _next_admission(self, blocked: set[str]) -> Request | None:
         """The next request to try: the head of the tenant holding the fewest slots (ties: queue order)."""

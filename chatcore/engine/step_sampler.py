@@ -1,63 +1,39 @@
-"""A step's sampling: forks, grammar masks, token choice and beam search, after the forward pass.
+"""A step's sampling, after the forward pass: it computes tokens and changes no request, table or token list.
 
-`StepSampler.sample` is its one entry point. It forks n > 1 requests whose prompt was just computed,
-applies the grammar masks, queues every sampling row's choice on the device (`StepChoices`) and beam
-search's candidates, and brings all of them to the host in the step's one download; it advances the
-beam searches there. Nothing here appends a plain sample's token or writes an output: it returns a
-`Sampled`, whose `tokens` the output processor (`engine/output_processor.py`) takes in row order. A
-fault of one request's rows fails that request alone (`RowFaults`).
+`StepSampler.sample` is its one entry point. For n > 1 requests whose prompt was just computed it makes
+the other samples (`Fork`: each a sequence with its parent's penalty counts and grammar state, drawing
+from the first sample's row); it applies the grammar masks, queues every sampling row's choice on the
+device (`StepChoices`) and beam search's candidates, and brings all of them to the host in the step's
+one download. It returns a `Sampled` (engine/step_types.py): the forks, the beam candidates, the plain
+samples' tokens in row order, and the faults of requests' rows as data (`RowFaults`), all of which the
+step's update applies (engine/step_update.py). Its own state is what sampling needs next: each sample's
+generator, and (in `Penalties`) the counts of the tokens it chose.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
 from chatcore.engine.beams import Beams
 from chatcore.engine.choices import StepChoices
 from chatcore.engine.grammar_matchers import GrammarMatchers
-from chatcore.engine.kv_manager import KVCacheManager
 from chatcore.engine.mask_budget import MaskBudget
-from chatcore.engine.outputs import TokenLogprob
 from chatcore.engine.penalties import Penalties
 from chatcore.engine.request import Request, TokenSequence
 from chatcore.engine.row_faults import RowFaults
-from chatcore.engine.sampler import NO_TOKEN, beam_candidates, greedy, make_generator, sample
-from chatcore.engine.scheduler import ScheduledSeq
+from chatcore.engine.sampler import beam_candidates, greedy, make_generator, sample
+from chatcore.engine.step_types import BeamCandidates, Fork, Sampled, SampledToken, ScheduledSeq
 from chatcore.engine.transfers import DownloadPack, StepTransfers
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class Sampled:
-    """A step's sampling, on the host: its time (`now`), the masks' fill time, the beam search requests
-    stepped (their tokens are in their beams already), and the plain samples' choices to read."""
-    now: float
-    mask_ms: float
-    beams: list[Request]
-    choices: list[StepChoices]
-    host: list[float]
-
-    def tokens(self, faults: RowFaults) -> Iterator[tuple[Request, TokenSequence, int, TokenLogprob | None]]:
-        """Each plain sample's chosen token and log-probs, in row order; a row whose probabilities are no
-        distribution fails its request (`NO_TOKEN`, which the output processor's `RowFaults.run` skips)."""
-        for choice in self.choices:
-            for (req, seq, _), (token, logprob) in zip(choice.items, choice.read(self.host), strict=True):
-                if token == NO_TOKEN:
-                    faults.fail(req, "sampling failed: the row's probabilities are not a distribution (a NaN or an "
-                                     "infinity after penalties, logit_bias and temperature)")
-                yield req, seq, token, logprob
-
-
 class StepSampler:
-    def __init__(self, kv_cache: KVCacheManager, beams: Beams, penalties: Penalties, grammars: GrammarMatchers,
+    def __init__(self, beams: Beams, penalties: Penalties, grammars: GrammarMatchers,
                  mask_budget: MaskBudget, transfers: StepTransfers, device: torch.device) -> None:
-        self.kv_cache = kv_cache
         self._beams = beams
         self._penalties = penalties
         self.grammars = grammars
@@ -66,21 +42,23 @@ class StepSampler:
         self.device = device
         self._generators: dict[TokenSequence, torch.Generator] = {}
 
-    def sample(self, entries: list[ScheduledSeq], logits: torch.Tensor, faults: RowFaults) -> Sampled:
-        """The step's sampling rows (forking n > 1 requests first), sampled."""
-        rows, groups = self._sampling_rows(entries, faults)
-        return self._sample(rows, groups, logits, faults)
+    def sample(self, entries: list[ScheduledSeq], logits: torch.Tensor) -> Sampled:
+        """The step's sampling rows (n > 1 requests' other samples made first), sampled."""
+        faults = RowFaults()
+        forks: list[Fork] = []
+        rows, groups = self._sampling_rows(entries, faults, forks)
+        return self._sample(rows, groups, logits, faults, forks)
 
     def release(self, req: Request) -> None:
         """Drop a finished request's generators."""
         for seq in req.seqs:
             self._generators.pop(seq, None)
 
-    def _sampling_rows(self, entries: list[ScheduledSeq], faults: RowFaults) -> tuple[dict[TokenSequence, int],
-                                                                                     list[list[ScheduledSeq]]]:
+    def _sampling_rows(self, entries: list[ScheduledSeq], faults: RowFaults,
+                       forks: list[Fork]) -> tuple[dict[TokenSequence, int], list[list[ScheduledSeq]]]:
         """The row of the step's logits each sampling sequence reads, and the sampling entries by
-        request. A request with n > 1 whose prompt was just computed forks here (`_fork`): its
-        other samples join its group and read the first sample's row."""
+        request. A request with n > 1 whose prompt was just computed makes its other samples here
+        (`_fork`, into `forks`): they join its group and read the first sample's row."""
         rows: dict[TokenSequence, int] = {}
         by_request: dict[str, list[ScheduledSeq]] = {}
         for entry in entries:
@@ -89,14 +67,14 @@ class StepSampler:
                 by_request.setdefault(entry.req.request_id, []).append(entry)
         for group in by_request.values():
             req = group[0].req
-            if req.params.beam_width == 1 and not req.forked:
-                forks = faults.run(req, "forking its samples", lambda: self._fork(req)) or []
-                rows.update({f.seq: rows[req.seqs[0]] for f in forks})
-                group += forks
-        return rows, [group for group in by_request.values() if group[0].req.error is None]
+            if req.params.n > 1 and not req.forked:
+                made = faults.run(req, "forking its samples", lambda: self._fork(req, forks)) or []
+                rows.update({f.seq: rows[req.seqs[0]] for f in made})
+                group += made
+        return rows, [group for group in by_request.values() if faults.ok(group[0].req)]
 
     def _sample(self, rows: dict[TokenSequence, int], groups: list[list[ScheduledSeq]], logits: torch.Tensor,
-                faults: RowFaults) -> Sampled:
+                faults: RowFaults, forks: list[Fork]) -> Sampled:
         """Choose every sampling row's token on the device (`StepChoices`), then bring all choices,
         their log-probs and beam search's candidates to the host in the step's one download. A fault
         of one request's rows fails that request alone (`RowFaults`)."""
@@ -106,7 +84,7 @@ class StepSampler:
         beams = [(group[0].req, [rows[e.seq] for e in group]) for group in groups
                  if group[0].req.params.beam_width > 1]
         mask_ms = self._mask(plain, logits, faults)
-        plain = [item for item in plain if item[0].error is None]
+        plain = [item for item in plain if faults.ok(item[0])]
         argmax = greedy(logits)
         pack = DownloadPack()
         pack.add("argmax", argmax)
@@ -119,13 +97,12 @@ class StepSampler:
                 pack.add(f"beam{i}.values", found[0])
                 pack.add(f"beam{i}.ids", found[1])
         host = self.transfers.download(pack.packed())
-        stepped = []
-        for i, (req, found) in enumerate(candidates.items()):
-            if found is not None:
-                faults.run(req, "beam search", lambda req=req, i=i, width=found[0].shape[1]: self._step_beams(
-                    req, pack.segment(host, f"beam{i}.values"), pack.segment(host, f"beam{i}.ids"), width))
-                stepped.append(req)
-        return Sampled(now, mask_ms, stepped, choices, host)
+        found_beams = [_candidates(req, pack.segment(host, f"beam{i}.values"), pack.segment(host, f"beam{i}.ids"),
+                                   found[0].shape[1])
+                       for i, (req, found) in enumerate(candidates.items()) if found is not None]
+        tokens = [SampledToken(req, seq, token, logprob) for choice in choices
+                  for (req, seq, _), (token, logprob) in zip(choice.items, choice.read(host), strict=True)]
+        return Sampled(now, mask_ms, forks, found_beams, tokens, faults)
 
     def _mask(self, plain: list[tuple[Request, TokenSequence, int]], logits: torch.Tensor, faults: RowFaults) -> float:
         """Fill and apply the grammar masks of the step's constrained rows, before anything reads the logits
@@ -165,26 +142,20 @@ class StepSampler:
             for i, (req, items) in enumerate(by_request.items())]
         return [choice for choice in made if choice is not None]
 
-    def _step_beams(self, req: Request, flat_values: list[float], flat_ids: list[float], width: int) -> None:
-        self._beams.step(req, [flat_values[j: j + width] for j in range(0, len(flat_values), width)],
-                         [[int(t) for t in flat_ids[j: j + width]] for j in range(0, len(flat_ids), width)])
-
-    def _fork(self, req: Request) -> list[ScheduledSeq]:
-        """n > 1: after the prompt's first token is due, the other samples fork its table (the
-        prompt's blocks are shared, the last partial one is copied on write), its penalty counts
-        and its grammar state. They sample from the first sample's row of logits, each with its
-        own generator."""
-        req.forked = True
+    def _fork(self, req: Request, forks: list[Fork]) -> list[ScheduledSeq]:
+        """n > 1: as the prompt's first token is due, the other samples start from the first's tokens,
+        penalty counts and grammar state (each one into `forks` as it is made; the update gives each its
+        table and its place in the request). They sample from the first sample's row of logits, each
+        with its own generator."""
         seq0 = req.seqs[0]
-        forks = []
+        made = []
         for child in range(1, req.params.n):
-            fork = TokenSequence(child, list(seq0.tokens), seq0.prompt_len, num_computed=seq0.num_computed)
-            self.kv_cache.fork(req, seq0, fork)
-            req.seqs.append(fork)
+            fork = TokenSequence(child, list(seq0.tokens), seq0.prompt_len)
+            forks.append(Fork(req, seq0, fork))
             self._penalties.fork(seq0, fork)
             self.grammars.fork(seq0, fork)
-            forks.append(ScheduledSeq(req, fork, 0, 0, [], []))
-        return forks
+            made.append(ScheduledSeq(req, fork, 0, 0, [], []))
+        return made
 
     def _generator(self, req: Request, seq: TokenSequence) -> torch.Generator | None:
         if req.params.greedy:
@@ -193,3 +164,9 @@ class StepSampler:
         if key not in self._generators:
             self._generators[key] = make_generator(req.params.seed, seq.index, self.device)
         return self._generators[key]
+
+
+def _candidates(req: Request, flat_values: list[float], flat_ids: list[float], width: int) -> BeamCandidates:
+    """A beam search's downloaded candidates, `width` per running beam."""
+    return BeamCandidates(req, [flat_values[j: j + width] for j in range(0, len(flat_values), width)],
+                          [[int(t) for t in flat_ids[j: j + width]] for j in range(0, len(flat_ids), width)])

@@ -21,10 +21,7 @@ every call and leaves the fusion to `torch.compile`: it reads and writes 5 bytes
 `aten._weight_int8pack_mm`, the CPU kernel that reads the int8 weight once and accumulates in float32
 (inductor lowers torchao's pattern to the same kernel). Its float32 path is scalar here (3.4 GB/s,
 against 34 GB/s in bfloat16), so in a float32 model the scaled input is rounded to bfloat16 for it
-and the product comes back as float32. Measured 2026-12-05 on the 2-core Xeon (AMX), one row
-through the 210 linears and the LM head, weights streaming: bfloat16 packed 12.3 ms, the kernel
-with bfloat16 input 7.3 ms (9.9 ms with `ATEN_CPU_CAPABILITY=avx2`, as on an AVX2-only CPU),
-torchao's eager path 35.9 ms; float32 column-major 16.7 ms, the kernel with float32 input 41 ms.
+and the product comes back as float32 (the timings: docs/measurements.md, "int8 linears").
 
 Rows past `KERNEL_MAX_ROWS` (a prefill chunk, a large batch) take another path: the kernel works a
 row at a time, so for them the weight is dequantized to the model's dtype for one GEMM (a copy per

@@ -18,7 +18,7 @@ from chatcore.engine.token_logprobs import TokenTexts, legacy
 from chatcore.outcomes import ErrorCode, FinishReason
 from chatcore.server.auth import Principal
 from chatcore.server.bodies import CompletionRequest
-from chatcore.server.errors import ApiError, to_api_error
+from chatcore.server.errors import ApiError, sse_error
 from chatcore.server.openai_routes import (
     engine_events,
     finish_reason,
@@ -157,6 +157,6 @@ async def _stream(completion: TextCompletion, first: tuple[str, Any], events: As
             except StopAsyncIteration:
                 event = None
             except Exception as exc:  # the stream has begun: its error is its last event
-                yield _sse(to_api_error(exc).body())
+                yield sse_error(exc)
                 event = None
     yield "data: [DONE]\n\n"

@@ -30,12 +30,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
-import msgspec
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.protocols.utils import get_client_addr
 
 from chatcore.outcomes import ErrorCode
-from chatcore.server.errors import ApiError
+from chatcore.server.errors import ApiError, raw_error_response, upgrade_refusal
 
 if TYPE_CHECKING:
     from litestar.types import ASGIApp, Receive, Scope, Send
@@ -97,9 +96,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().handle_websocket_upgrade()
 
     def _refuse_upgrade(self) -> None:
-        body = b"Service Unavailable: too many connections"
-        self.transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                             b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+        self.transport.write(upgrade_refusal())
         self.transport.close()
 
     def _arm_header_deadline(self) -> None:
@@ -145,13 +142,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def _timeout_response(self) -> bytes:
         error = ApiError(ErrorCode.BAD_REQUEST, f"the request body did not arrive in full within "
                          f"{self.body_timeout_s:g} s of its headers (body_timeout_s)", 408)
-        body = msgspec.json.encode(error.body())
-        head = [STATUS_LINE[408]]
-        for name, value in self.server_state.default_headers:
-            head += [name, b": ", value, b"\r\n"]
-        head += [b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
-                 b"\r\nconnection: close\r\n\r\n"]
-        return b"".join(head) + body
+        return raw_error_response(error, self.server_state.default_headers)
 
 
 def guarded_http_protocol(header_timeout_s: float, body_timeout_s: float) -> type[GuardedHttpProtocol]:

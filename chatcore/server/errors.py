@@ -1,22 +1,33 @@
 """The one route from an outcome to the wire: `to_api_error` turns whatever a request or a frame failed with
 into an `ApiError` (an `ErrorCode` of chatcore/outcomes.py and a message), and every error body and frame
-the server sends is that `ApiError`'s `body()` or `frame()`. The tables that go with it live here too: the
-HTTP status of every code, the code of an HTTP status, and how a WebSocket closes after an error. This
-module invents no code: exceptions that reach a client carry their `ErrorCode` as a class attribute `code`
-(chatcore/sessions/errors.py, chatcore/engine/errors.py, chatcore/engine/grammar.py); any other exception is
-a bug, answered `internal`."""
+the server sends is that `ApiError`'s `body()` or `frame()`, encoded here for what is not a route's answer
+(an SSE stream's last event, a response written on the transport). The tables that go with it live here
+too: the HTTP status of every code, the code of an HTTP status, and every close (code and reason) of a
+WebSocket the server ends, after an error frame or not. This module invents no code: exceptions that
+reach a client carry their `ErrorCode` as a class attribute `code` (chatcore/sessions/errors.py,
+chatcore/engine/errors.py, chatcore/engine/grammar.py); any other exception is a bug, answered
+`internal`. The sessions layer tells of a turn that failed with a typed outcome (a `TurnError`,
+chatcore/sessions/frames.py), which becomes an `ApiError` here too.
+
+Two answers keep a shape of their own, and are built here all the same: `/readyz`'s 503, which names its
+failing checks (`not_ready`), and the plain-text 503 of a WebSocket upgrade past `max_connections`
+(`upgrade_refusal`), the answer uvicorn itself gives an HTTP request past it."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 import msgspec
 from litestar import MediaType, Request, Response
 from litestar.exceptions import HTTPException, ValidationException
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from chatcore.outcomes import ErrorCode
+from chatcore.sessions.frames import Followed, Frame, TurnError
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +56,30 @@ CLOSE_POLICY = 1008
 CLOSE_TOO_BIG = 1009
 CLOSE_CONFLICT = 4409
 CLOSE_IDLE = 4408  # no frame and no turn for socket_idle_timeout_s (as HTTP's 408)
+
+
+class WsClose(NamedTuple):
+    code: int
+    reason: str
+
+
 # How a WebSocket closes after the error frame of a code (docs/protocol.md, "Error codes"); a code not
 # listed leaves it open. Before the socket has authenticated, every refusal closes it (`ws_refusal_close`).
-WS_CLOSE: dict[ErrorCode, tuple[int, str]] = {
-    ErrorCode.UNAUTHORIZED: (CLOSE_POLICY, "unauthorized"),
-    ErrorCode.CONFLICT: (CLOSE_CONFLICT, "session served elsewhere"),  # another replica serves the session
+WS_CLOSE: dict[ErrorCode, WsClose] = {
+    ErrorCode.UNAUTHORIZED: WsClose(CLOSE_POLICY, "unauthorized"),
+    ErrorCode.CONFLICT: WsClose(CLOSE_CONFLICT, "session served elsewhere"),  # another replica serves the session
 }
+# The closes no error code calls for, named for why the server closes the socket.
+CLOSE_UPGRADE_REFUSED = WsClose(CLOSE_POLICY, "origin or host not allowed")  # before accept: the upgrade gets 403
+CLOSE_UNREAD = WsClose(CLOSE_POLICY, "too many unread frames")  # a client that does not read
+CLOSE_REVOKED = WsClose(CLOSE_POLICY, "key revoked")  # after its `unauthorized` frame
+CLOSE_TAKEN_OVER = WsClose(CLOSE_CONFLICT, "session taken over")  # after its `conflict` frame
+CLOSE_FRAME_TOO_BIG = WsClose(CLOSE_TOO_BIG, "frame too large")  # after its `too_large` frame
+
+
+def idle_close(idle_s: float) -> WsClose:
+    """The close of a socket that sent no frame and ran no turn for `idle_s` (`socket_idle_timeout_s`)."""
+    return WsClose(CLOSE_IDLE, f"idle for {idle_s:g} s: no frame and no turn (socket_idle_timeout_s)")
 
 
 def code_for_status(status: int) -> ErrorCode:
@@ -64,16 +93,16 @@ def forbidden(message: str) -> ApiError:
     return ApiError(ErrorCode.UNAUTHORIZED, message, FORBIDDEN)
 
 
-def ws_close(code: ErrorCode) -> tuple[int, str] | None:
+def ws_close(code: ErrorCode) -> WsClose | None:
     """The close (code, reason) that follows an error frame of `code` on an authenticated socket, or None
     when the socket stays open."""
     return WS_CLOSE.get(code)
 
 
-def ws_refusal_close(code: ErrorCode) -> tuple[int, str]:
+def ws_refusal_close(code: ErrorCode) -> WsClose:
     """The close that follows the error frame of a socket refused before it authenticated (`unauthorized`,
     or `busy` past the per-address bound): always a policy close, its reason the code's name."""
-    return CLOSE_POLICY, str(code)
+    return WsClose(CLOSE_POLICY, str(code))
 
 
 class ApiError(Exception):
@@ -145,6 +174,52 @@ def error_response(error: ApiError) -> Response[dict[str, dict[str, str]]]:
 def error_handler(_: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, dict[str, str]]]:
     """The app's one exception handler: every error a route raises, answered through `to_api_error`."""
     return error_response(to_api_error(exc))
+
+
+def sse_error(exc: BaseException) -> str:
+    """The last event of a stream (chat or legacy completions) that failed after it began: `exc`'s body."""
+    return f"data: {json.dumps(to_api_error(exc).body(), ensure_ascii=False)}\n\n"
+
+
+def turn_error(failure: TurnError) -> ApiError:
+    """What a client is told of a session's turn that failed: the outcome's code and message."""
+    return ApiError(failure.code, failure.message)
+
+
+def turn_frame(followed: Followed) -> Frame:
+    """The wire frame of what a turn's subscription yields: a frame as it is, a failure as its error frame."""
+    return turn_error(followed).frame() if isinstance(followed, TurnError) else followed
+
+
+def raw_error_response(error: ApiError, default_headers: Iterable[tuple[bytes, bytes]]) -> bytes:
+    """`error` as a whole HTTP/1.1 response written on the transport itself, the connection then closed
+    (the 408 of a body that never arrived, chatcore/server/connections.py): the JSON body and the
+    server's default headers, as the app's answers carry them."""
+    body = msgspec.json.encode(error.body())
+    return _raw_response(STATUS_LINE[error.status], default_headers, b"application/json", body)
+
+
+def upgrade_refusal() -> bytes:
+    """The 503 of a WebSocket upgrade past `max_connections`: plain text, as uvicorn's own answer to an
+    HTTP request past it (which carries no JSON body either)."""
+    return _raw_response(STATUS_LINE[503], (), b"text/plain; charset=utf-8",
+                         b"Service Unavailable: too many connections")
+
+
+def _raw_response(status_line: bytes, headers: Iterable[tuple[bytes, bytes]], content_type: bytes,
+                  body: bytes) -> bytes:
+    head = [status_line]
+    for name, value in headers:
+        head += [name, b": ", value, b"\r\n"]
+    head += [b"content-type: ", content_type, b"\r\ncontent-length: ", str(len(body)).encode(),
+             b"\r\nconnection: close\r\n\r\n"]
+    return b"".join(head) + body
+
+
+def not_ready(checks: dict[str, str], causes: dict[str, str]) -> Response[dict[str, Any]]:
+    """`/readyz`'s 503 (docs/protocol.md): each check's state, and the cause of each failing one."""
+    return Response({"status": "not ready", "checks": checks, "causes": causes}, status_code=503,
+                    media_type=MediaType.JSON)
 
 
 def _from_http(exc: HTTPException) -> ApiError:

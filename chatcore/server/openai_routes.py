@@ -25,10 +25,11 @@ from chatcore.engine.token_logprobs import TokenTexts, chat_content
 from chatcore.outcomes import ErrorCode, FinishReason
 from chatcore.server.auth import Principal
 from chatcore.server.bodies import ChatCompletionRequest, ChatMessage, StreamOptions
-from chatcore.server.errors import ApiError, to_api_error
+from chatcore.server.errors import ApiError, sse_error, turn_error
 from chatcore.server.params import compile_response_format, sampling_params, schema_limits
 from chatcore.server.services import Services
 from chatcore.server.tools import Tools, parse_tools, read_calls
+from chatcore.sessions.frames import TurnError
 from chatcore.turnlog import log_turn
 
 # OpenAI fields chatcore does not implement. Each is accepted only at the value that asks for nothing
@@ -230,10 +231,10 @@ async def _session_events(services: Services, tenant_id: str, session_id: str, m
     try:
         while True:
             frame = await queue.get()
-            if frame["type"] == "token":
+            if isinstance(frame, TurnError):  # precedes a failed turn's done: busy (no capacity), conflict, ...
+                error = turn_error(frame)
+            elif frame["type"] == "token":
                 yield "delta", (frame["index"], frame["text"], None)
-            elif frame["type"] == "error":  # precedes a failed turn's done: busy (no capacity), conflict, ...
-                error = ApiError(ErrorCode(frame["code"]), frame["message"])
             elif frame["type"] == "done":
                 usage = frame["usage"]
                 if frame["finish_reason"] == FinishReason.ERROR:
@@ -334,7 +335,7 @@ async def _sse(completion: Completion, first: tuple[str, Any], events: AsyncIter
                 except StopAsyncIteration:
                     break
                 except Exception as exc:  # the stream has begun: its error is its last event
-                    yield f"data: {json.dumps(to_api_error(exc).body())}\n\n"
+                    yield sse_error(exc)
                     break
             if kind == "delta":
                 index, text, logprobs = value

@@ -19,7 +19,7 @@ from chatcore.engine.warmup import NotReady
 from chatcore.outcomes import ErrorCode
 from chatcore.periodic import Periodic
 from chatcore.server.auth import Principal
-from chatcore.server.errors import ApiError
+from chatcore.server.errors import ApiError, not_ready
 from chatcore.server.services import Services
 from chatcore.store.models import ChatSession
 
@@ -47,12 +47,9 @@ async def readyz(services: Services) -> Response[dict[str, Any]]:
             await db.execute(select(1))
 
     causes = {"engine": await _cause(services.readiness.check()), "database": await _cause(database())}
-    body: dict[str, Any] = {"status": "ready", "checks": {name: "ok" if cause is None else "failing"
-                                                          for name, cause in causes.items()}}
-    if any(causes.values()):
-        body["status"] = "not ready"
-        body["causes"] = {name: cause for name, cause in causes.items() if cause is not None}
-    return Response(body, status_code=503 if "causes" in body else 200)
+    checks = {name: "ok" if cause is None else "failing" for name, cause in causes.items()}
+    failing = {name: cause for name, cause in causes.items() if cause is not None}
+    return not_ready(checks, failing) if failing else Response({"status": "ready", "checks": checks})
 
 
 async def _cause(check: Awaitable[object]) -> str | None:

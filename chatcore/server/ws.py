@@ -18,7 +18,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any, NamedTuple
+from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
@@ -36,12 +36,16 @@ from chatcore.server.auth import (
 from chatcore.server.body_decoding import nul_error
 from chatcore.server.connections import PendingSockets, TenantConnections
 from chatcore.server.errors import (
-    CLOSE_CONFLICT,
-    CLOSE_IDLE,
-    CLOSE_POLICY,
-    CLOSE_TOO_BIG,
+    CLOSE_FRAME_TOO_BIG,
+    CLOSE_REVOKED,
+    CLOSE_TAKEN_OVER,
+    CLOSE_UNREAD,
+    CLOSE_UPGRADE_REFUSED,
     ApiError,
+    WsClose,
+    idle_close,
     to_api_error,
+    turn_frame,
     ws_close,
     ws_refusal_close,
 )
@@ -81,17 +85,12 @@ def origin_allowed(socket: ASGIConnection, allowed: list[str]) -> bool:
     return netloc == host or origin in allowed or "*" in allowed
 
 
-class Close(NamedTuple):
-    code: int
-    reason: str
-
-
 class Connection:
     def __init__(self, socket: WebSocket, services: Services, principal: Principal) -> None:
         self.socket = socket
         self.services = services
         self.principal = principal
-        self.out: asyncio.Queue[tuple[str, int | None] | Close] = asyncio.Queue()
+        self.out: asyncio.Queue[tuple[str, int | None] | WsClose] = asyncio.Queue()
         self.queued_chars = 0
         self.state: SessionState | None = None
         self.last_seq: int | None = None
@@ -111,7 +110,7 @@ class Connection:
             while not self.out.empty():
                 self.out.get_nowait()
             self.queued_chars = 0
-            self.close(CLOSE_POLICY, "too many unread frames")
+            self.close(*CLOSE_UNREAD)
             return
         seq = frame.get("seq")
         self.queued_chars += len(text)
@@ -130,17 +129,17 @@ class Connection:
 
     def revoked(self) -> None:
         self.error(ErrorCode.UNAUTHORIZED, "the API key was revoked")
-        self.close(CLOSE_POLICY, "key revoked")
+        self.close(*CLOSE_REVOKED)
 
     def close(self, code: int, reason: str = "") -> None:
         if not self.closed:
-            self.out.put_nowait(Close(code, reason))
+            self.out.put_nowait(WsClose(code, reason))
             self.closed = True
 
     async def sender(self) -> None:
         while True:
             item = await self.out.get()
-            if isinstance(item, Close):
+            if isinstance(item, WsClose):
                 await self.socket.close(code=item.code, reason=item.reason)
                 return
             text, seq = item
@@ -160,7 +159,7 @@ class Connection:
             previous.error(ErrorCode.CONFLICT, "another connection took over this session")
             previous.stop_pump()
             previous.state = None
-            previous.close(CLOSE_CONFLICT, "session taken over")
+            previous.close(*CLOSE_TAKEN_OVER)
         self.attachments()[state.id] = self
         self.state = state
         if state.grace_timer is not None:
@@ -196,9 +195,9 @@ class Connection:
         async def pump() -> None:
             try:
                 while True:
-                    frame = await queue.get()
+                    frame = turn_frame(await queue.get())
                     self.send(frame)
-                    if frame.get("type") == "done":
+                    if frame["type"] == "done":
                         self.last_activity = time.monotonic()  # the idle time starts when the turn ends
                         return
             finally:
@@ -311,7 +310,7 @@ async def chat_socket(socket: WebSocket, services: Services) -> None:
     auth: Authenticator = socket.app.state.auth
     if not origin_allowed(socket, settings.allowed_origins) or not await host_allowed(
             socket, auth, settings.allowed_hosts):
-        await socket.close(code=CLOSE_POLICY, reason="origin or host not allowed")
+        await socket.close(code=CLOSE_UPGRADE_REFUSED.code, reason=CLOSE_UPGRADE_REFUSED.reason)
         return
     await socket.accept()
     held: TenantConnections = socket.app.state.tenant_connections
@@ -367,7 +366,7 @@ async def _next_message(conn: Connection, sender: asyncio.Task[None], idle_s: fl
         left = conn.last_activity + idle_s - time.monotonic()
         if left <= 0 and not conn.turn_running():
             receiver.cancel()
-            conn.close(CLOSE_IDLE, f"idle for {idle_s:g} s: no frame and no turn (socket_idle_timeout_s)")
+            conn.close(*idle_close(idle_s))
             return None
         done, _ = await asyncio.wait({receiver, sender}, timeout=left if left > 0 else idle_s,
                                      return_when=asyncio.FIRST_COMPLETED)
@@ -424,13 +423,13 @@ async def _on_message(conn: Connection, message: dict[str, Any], max_bytes: int)
         size = len(message.get("bytes") or b"")
         if size > max_bytes:
             conn.error(ErrorCode.TOO_LARGE, f"frames are limited to {max_bytes} bytes")
-            conn.close(CLOSE_TOO_BIG, "frame too large")
+            conn.close(*CLOSE_FRAME_TOO_BIG)
         else:
             conn.error(ErrorCode.BAD_REQUEST, "binary frames are not supported; send JSON text frames")
         return
     if len(text.encode("utf-8", "surrogatepass")) > max_bytes:
         conn.error(ErrorCode.TOO_LARGE, f"frames are limited to {max_bytes} bytes")
-        conn.close(CLOSE_TOO_BIG, "frame too large")
+        conn.close(*CLOSE_FRAME_TOO_BIG)
         return
     try:
         frame = json.loads(text)

@@ -1,9 +1,9 @@
 """The eviction policy: hot -> warm -> cold.
 
-* hot -> warm (the engine, `KVCacheManager.tend_pins`): a pin expires after `hot_window_s`; the
+* hot -> warm (the engine, `SessionPins.tend`): a pin expires after `hot_window_s`; the
   least recently pinned go first when there are more than `max_hot_sessions` pins, or when pins
   hold more than `pinned_kv_fraction` of the pool; and under allocation pressure the
-  scheduler reclaims pins before it preempts anything (`KVCacheManager.reclaim`).
+  scheduler reclaims pins before it preempts anything (`SessionPins.reclaim`).
 * warm -> cold (event loop, every `interval_s`): a session idle for `warm_idle_s` with no
   turn running is written to SQLite (chain and state, one transaction) and only then
   dropped from memory. Its full blocks stay in the pool's LRU, and on disk, for its return.

@@ -31,8 +31,9 @@ class KvBlockRepo:
 
     async def upsert_blocks(self, files: Sequence[IndexedFile], model_fingerprint: str) -> None:
         """Index written blocks in a few statements, whatever their number; rewriting a known hash
-        replaces its file fields and counts as a use. One row per block through the ORM cost the
-        event loop 20-170 ms per turn's write, beside the engine's steps (2026-12-02)."""
+        replaces its file fields and counts as a use. One row per block through the ORM held the
+        event loop for tens of milliseconds a turn, beside the engine's steps (docs/measurements.md,
+        "Block index writes")."""
         if not files:
             return
         known = await self.known([f.hash for f in files])
