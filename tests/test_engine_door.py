@@ -24,7 +24,7 @@ from chatcore.engine.errors import RequestRejected
 from chatcore.engine.info import EngineInfo
 from chatcore.engine.request import SamplingParams
 from chatcore.engine.snapshot import EngineSnapshot
-from tests.engine_helpers import LONG_SYSTEM, QUESTIONS, chat_ids
+from tests.engine_helpers import LONG_SYSTEM, QUESTIONS, chat_ids, on_engine_thread
 from tests.test_import_graph import INSIDE, documented_layers, sources, unit_of
 
 ENGINE_HOLDERS = {"engine"}  # what code outside the engine calls an `InferenceEngine` (`self.engine`, `engine`)
@@ -263,6 +263,40 @@ async def test_the_prefill_gate_clears_as_a_request_is_sent(make_core, loaded_fp
         assert not engine.prefill_quiet.is_set() and engine.state.prefill_quiet  # the engine has not seen it
         release.set()
         assert await run is True
+    finally:
+        release.set()
+        engine.shutdown()
+
+
+@pytest.mark.model
+async def test_a_generate_cancelled_while_its_add_waits_is_aborted(make_core, loaded_fp32) -> None:
+    """A caller that leaves before the engine thread has taken its add (a client gone while a step runs)
+    leaves no request behind: the abort queued after the add ends it, and its blocks go back."""
+    core = make_core()
+    engine = InferenceEngine(core)
+    in_housekeeping, release = threading.Event(), threading.Event()
+    tend = core.tend_pins
+    core.tend_pins = lambda: (in_housekeeping.set(), release.wait(), tend())  # type: ignore[method-assign]
+    engine.start()
+    try:
+        await asyncio.to_thread(in_housekeeping.wait)  # the engine thread is held between two steps
+        req = engine.make_request(chat_ids(loaded_fp32.tokenizer, QUESTIONS[0]),
+                                  SamplingParams(max_tokens=2000, ignore_eos=True))
+
+        async def consume() -> None:
+            async with aclosing(engine.generate(req)) as stream:
+                async for _ in stream:
+                    pass
+
+        run = asyncio.create_task(consume())
+        while engine._commands.empty():  # the task's first step queues the add
+            await asyncio.sleep(0)
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+        release.set()
+        left = await on_engine_thread(engine, lambda c: (list(c.requests), c.pool.stats().used))
+        assert left == ([], 0)
     finally:
         release.set()
         engine.shutdown()

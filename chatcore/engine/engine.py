@@ -300,7 +300,11 @@ class InferenceEngine:
         running step); `PrefixOnDisk` when it declines, before anything is streamed.
         """
         stream = Stream(asyncio.get_running_loop())
-        declined = await self._add(AddRequest(request, prefix), stream)
+        try:
+            declined = await self._add(AddRequest(request, prefix), stream)
+        except asyncio.CancelledError:  # the add is queued and runs: the abort, queued after it, ends it
+            self._abandon(request, stream)
+            raise
         if declined is not None:
             raise PrefixOnDisk(declined)
         finished = False
@@ -314,10 +318,14 @@ class InferenceEngine:
                 if finished:
                     return
         finally:
-            if not finished:  # the consumer left: nobody reads the abort's final output
-                stream.abandoned = True
-                with contextlib.suppress(EngineStopped):  # a stopping engine fails every request itself
-                    self._post(Abort(request.request_id))
+            if not finished:
+                self._abandon(request, stream)
+
+    def _abandon(self, request: Request, stream: Stream) -> None:
+        """The consumer left: abort the request (nobody reads the abort's final output)."""
+        stream.abandoned = True
+        with contextlib.suppress(EngineStopped):  # a stopping engine fails every request itself
+            self._post(Abort(request.request_id))
 
     async def _add(self, command: AddRequest, stream: Stream) -> int | None:
         """Send `command`, its outputs to `stream` once it is added; this loop's prefill gate stays clear
