@@ -235,18 +235,24 @@ async def test_each_event_loop_has_its_own_view(make_core, loaded_fp32) -> None:
         engine.shutdown()
 
 
+async def held_between_steps(core: Any) -> tuple[InferenceEngine, threading.Event]:
+    """A started engine whose thread is held in its housekeeping, past a round's drain of the queue and
+    before the next step, until the returned event is set (commands sent meanwhile stay queued)."""
+    engine = InferenceEngine(core)
+    in_housekeeping, release = threading.Event(), threading.Event()
+    tend = core.tend_pins
+    core.tend_pins = lambda: (in_housekeeping.set(), release.wait(), tend())
+    engine.start()
+    await asyncio.to_thread(in_housekeeping.wait)
+    return engine, release
+
+
 @pytest.mark.model
 async def test_the_prefill_gate_clears_as_a_request_is_sent(make_core, loaded_fp32) -> None:
     """The disk tier's gate is clear from the moment a request leaves the loop, before the engine thread
     has taken it, and set again once its first token is out."""
-    core = make_core()
-    engine = InferenceEngine(core)
-    in_housekeeping, release = threading.Event(), threading.Event()
-    tend = core.tend_pins
-    core.tend_pins = lambda: (in_housekeeping.set(), release.wait(), tend())  # type: ignore[method-assign]
-    engine.start()
+    engine, release = await held_between_steps(make_core())
     try:
-        await asyncio.to_thread(in_housekeeping.wait)  # the engine thread is past this round's drain
         assert engine.prefill_quiet.is_set()
         req = engine.make_request(chat_ids(loaded_fp32.tokenizer, QUESTIONS[0]), SamplingParams(max_tokens=2))
 
@@ -272,14 +278,8 @@ async def test_the_prefill_gate_clears_as_a_request_is_sent(make_core, loaded_fp
 async def test_a_generate_cancelled_while_its_add_waits_is_aborted(make_core, loaded_fp32) -> None:
     """A caller that leaves before the engine thread has taken its add (a client gone while a step runs)
     leaves no request behind: the abort queued after the add ends it, and its blocks go back."""
-    core = make_core()
-    engine = InferenceEngine(core)
-    in_housekeeping, release = threading.Event(), threading.Event()
-    tend = core.tend_pins
-    core.tend_pins = lambda: (in_housekeeping.set(), release.wait(), tend())  # type: ignore[method-assign]
-    engine.start()
+    engine, release = await held_between_steps(make_core())
     try:
-        await asyncio.to_thread(in_housekeeping.wait)  # the engine thread is held between two steps
         req = engine.make_request(chat_ids(loaded_fp32.tokenizer, QUESTIONS[0]),
                                   SamplingParams(max_tokens=2000, ignore_eos=True))
 
